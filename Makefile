@@ -1,0 +1,27 @@
+# `make run`: set up .venv (CPU torch first, so no multi-GB CUDA build is pulled) and run the
+# quickstart pipeline. `make test`: same set-up, then the test suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: run test setup clean
+
+run: $(STAMP)
+	$(BIN)/raydp-train run pipelines/quickstart.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,59 @@
+"""Model builders: logistic regression, MLP and a small CNN, from the pipeline's `model`."""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
+
+
+class ModelError(ValueError):
+    """The model section does not fit the data; the message names the field."""
+
+
+def build_model(config, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Every layer is one the per-example clipping engine supports (no BatchNorm)."""
+    if config.kind == "logistic":
+        return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(feature_shape), num_classes))
+    if config.kind == "mlp":
+        return _mlp(config, math.prod(feature_shape), num_classes)
+    return _cnn(config, feature_shape, num_classes)
+
+
+def _mlp(config, in_features: int, num_classes: int) -> nn.Module:
+    layers: list[nn.Module] = [nn.Flatten()]
+    for width in config.hidden_sizes:
+        layers += [nn.Linear(in_features, width), ACTIVATIONS[config.activation]()]
+        in_features = width
+    layers.append(nn.Linear(in_features, num_classes))
+    return nn.Sequential(*layers)
+
+
+def _cnn(config, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Conv blocks (conv, GroupNorm, ReLU, 2x2 max-pool while the image allows), then an MLP head."""
+    if len(feature_shape) != 3:
+        raise ModelError(
+            f"model.kind: 'cnn' needs image features of shape [channels, height, width], "
+            f"got feature shape {list(feature_shape)}"
+        )
+    channels, height, width = feature_shape
+    layers: list[nn.Module] = []
+    for out_channels in config.channels:
+        layers += [
+            nn.Conv2d(channels, out_channels, config.kernel_size, padding=config.kernel_size // 2),
+            nn.GroupNorm(math.gcd(out_channels, 4), out_channels),
+            nn.ReLU(),
+        ]
+        if min(height, width) >= 2:
+            layers.append(nn.MaxPool2d(2))
+            height, width = height // 2, width // 2
+        channels = out_channels
+    layers += [
+        nn.Flatten(),
+        nn.Linear(channels * height * width, config.hidden_size),
+        nn.ReLU(),
+        nn.Linear(config.hidden_size, num_classes),
+    ]
+    return nn.Sequential(*layers)

@@ -1,0 +1,220 @@
+"""Per-example clipped gradient sum in one forward and one backward (DESIGN §2.3).
+
+    g~_i = g_i * min(1, C / ||g_i||)        ||g_i|| over ALL trainable parameters jointly
+    sum  = sum_i g~_i                        written into each parameter's .grad
+
+Forward hooks keep each covered layer's input; a tensor hook on its output keeps the output
+gradient. During the private backward the covered parameters do not require grad ("ghost
+differentiation"), so autograd computes activation gradients only and the layer rules form
+the norms and the clipped sum from what the hooks kept. All `.grad` tensors are views of
+one flat buffer, so noise and all-reduce act on a single tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from raydp_train.privacy.layer_rules import LayerCalls, UnsupportedLayerError, rule_for
+
+__all__ = ["BatchDimensionError", "MicroBatchStats", "PerExampleClipper", "UnsupportedLayerError"]
+
+
+class BatchDimensionError(ValueError):
+    """A layer saw a leading dimension that is not the example dimension."""
+
+
+class MicroBatchStats(NamedTuple):
+    losses: Tensor  # per-example losses, detached
+    norms: Tensor  # per-example gradient norms before clipping
+
+
+class PerExampleClipper:
+    """Accumulates sum_i clip(g_i, C) over micro-batches into a flat gradient buffer."""
+
+    def __init__(self, model: nn.Module, clip_norm: float):
+        if not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+        self.model = model
+        self.clip_norm = float(clip_norm)
+        self.layers = _covered_layers(model)
+        self.parameters = [p for _, module, _ in self.layers for p in _own_trainable(module)]
+        if not self.parameters:
+            raise ValueError("the model has no trainable parameters")
+        _check_uniform(self.parameters)
+        first = self.parameters[0]
+        self.flat_grad = torch.zeros(
+            sum(p.numel() for p in self.parameters), dtype=first.dtype, device=first.device
+        )
+        self._grad_views = _split(self.flat_grad, self.parameters)
+        self._calls: dict[nn.Module, LayerCalls] = {}
+        self._recording = False
+        self._ghost_leaf = torch.zeros((), dtype=first.dtype, device=first.device)
+        self._ghost_leaf.requires_grad_(True)
+        self._handles = [module.register_forward_hook(self._on_forward) for _, module, _ in self.layers]
+
+    # ------------------------------------------------------------------ public
+    def accumulate(self, compute_losses: Callable[..., Tensor], *args) -> MicroBatchStats:
+        """Run forward + backward of one micro-batch; add its clipped sum to `flat_grad`.
+
+        `compute_losses(*args)` runs the model and returns the per-example loss vector [B]
+        (the engine owns the reduction).
+        """
+        self._attach_grads()
+        self._calls = {}
+        with self._ghost_differentiation():
+            losses = compute_losses(*args)
+            self._check_losses(losses)
+            losses.sum().backward()
+        try:
+            return MicroBatchStats(losses.detach(), self._clip_and_sum(losses.shape[0]))
+        finally:
+            self._calls = {}
+
+    def zero_grad(self) -> None:
+        """Start a logical batch: zero the sum and (re)bind every `.grad` to it, so that a
+        step over an empty sample still hands the optimizer its noise."""
+        self._attach_grads()
+        self.flat_grad.zero_()
+
+    @property
+    def num_parameters(self) -> int:
+        return self.flat_grad.numel()
+
+    def close(self) -> None:
+        """Remove the hooks; the model trains normally again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ hooks
+    def _on_forward(self, module: nn.Module, inputs: tuple, output: Tensor):
+        if not self._recording or not isinstance(output, Tensor):
+            return None
+        calls = self._calls.setdefault(module, LayerCalls())
+        call_index = len(calls.inputs)
+        calls.inputs.append(inputs[0].detach())
+        calls.output_grads.append(None)
+        if not output.requires_grad:
+            # Covered parameters do not require grad here, so nothing before this layer
+            # does either: join the graph through a zero leaf so the backward reaches us.
+            output = output + self._ghost_leaf
+
+        def keep_grad(grad: Tensor) -> None:
+            calls.output_grads[call_index] = grad.detach()
+
+        output.register_hook(keep_grad)
+        return output
+
+    @contextmanager
+    def _ghost_differentiation(self) -> Iterator[None]:
+        for p in self.parameters:
+            p.requires_grad_(False)
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+            for p in self.parameters:
+                p.requires_grad_(True)
+            self._ghost_leaf.grad = None
+
+    # ------------------------------------------------------------------ math
+    def _clip_and_sum(self, batch_size: int) -> Tensor:
+        used = self._used_layers(batch_size)
+        squared = self.flat_grad.new_zeros(batch_size)
+        gram_cache: dict = {}
+        for _, module, rule in used:
+            squared = squared + rule.squared_norms(module, self._calls[module], gram_cache)
+        norms = squared.sqrt()
+        clip_factors = self.clip_norm / norms.clamp(min=self.clip_norm)
+        for _, module, rule in used:
+            rule.add_clipped_sum(module, self._calls[module], clip_factors)
+        return norms
+
+    def _used_layers(self, batch_size: int) -> list:
+        """Layers that took part in the loss, after checking their example dimension."""
+        used = []
+        for name, module, rule in self.layers:
+            calls = self._calls.get(module)
+            if calls is None:
+                continue
+            for x in calls.inputs:
+                if x.shape[0] != batch_size:
+                    raise BatchDimensionError(
+                        f"module '{name}' ({type(module).__name__}) was called with leading "
+                        f"dimension {x.shape[0]} but the batch has {batch_size} examples; "
+                        "per-example clipping needs the example dimension first (e.g. pass "
+                        "position_ids of shape [B, T], not [1, T])"
+                    )
+            # A call whose output did not reach the loss contributes a zero gradient.
+            kept = [(x, g) for x, g in zip(calls.inputs, calls.output_grads) if g is not None]
+            if kept:
+                calls.inputs, calls.output_grads = [x for x, _ in kept], [g for _, g in kept]
+                used.append((name, module, rule))
+        return used
+
+    def _check_losses(self, losses: Tensor) -> None:
+        if not isinstance(losses, Tensor) or losses.dim() != 1:
+            shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+            raise ValueError(
+                f"compute_losses must return a per-example loss vector of shape [B], got {shape}"
+            )
+        if not losses.requires_grad:
+            raise ValueError("the loss does not depend on any trainable parameter")
+
+    def _attach_grads(self) -> None:
+        for p, view in zip(self.parameters, self._grad_views):
+            if p.grad is not view:
+                p.grad = view
+
+
+def _own_trainable(module: nn.Module) -> list[Tensor]:
+    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+def _covered_layers(model: nn.Module) -> list:
+    """(name, module, rule) for every module owning trainable parameters; refuse the rest."""
+    layers, owners = [], {}
+    for name, module in model.named_modules():
+        params = _own_trainable(module)
+        if not params:
+            continue
+        label = name or "<root>"
+        rule = rule_for(module)
+        if rule is None:
+            raise UnsupportedLayerError(
+                f"module '{label}' ({type(module).__name__}) owns trainable parameters "
+                "but per-example clipping has no rule for it; supported: Linear, Conv1d, "
+                "Conv2d, Embedding, LayerNorm, RMSNorm, GroupNorm. Freeze it "
+                "(requires_grad=False) or replace it"
+            )
+        rule.check(module, label)
+        for p in params:
+            if id(p) in owners:
+                raise UnsupportedLayerError(
+                    f"modules '{owners[id(p)]}' and '{label}' share one trainable parameter "
+                    "(tied weights); per-example clipping of tied parameters is not "
+                    "supported: untie them or freeze the shared parameter"
+                )
+            owners[id(p)] = label
+        layers.append((label, module, rule))
+    return layers
+
+
+def _check_uniform(params: list[Tensor]) -> None:
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) > 1:
+        raise ValueError(f"trainable parameters must share one dtype and device, got {kinds}")
+
+
+def _split(flat: Tensor, params: list[Tensor]) -> list[Tensor]:
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views

@@ -1,0 +1,315 @@
+"""Per-layer rules for the one-backward clipped sum (DESIGN §2.3).
+
+A rule turns what the hooks recorded for one module -- the input of every call and the
+gradient of the summed loss with respect to that call's output -- into
+  * `squared_norms`: the per-example squared gradient norm over the module's trainable
+    parameters, shape [B];
+  * `add_clipped_sum`: sum_i c_i * grad_i for each trainable parameter, added into `.grad`.
+A module called several times in one forward is handled by concatenating its calls along
+the token axis: grad_i = sum over calls, which is exactly what the concatenation computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class UnsupportedLayerError(TypeError):
+    """A module owns trainable parameters the clipping engine cannot handle."""
+
+
+@dataclass
+class LayerCalls:
+    """What the hooks recorded for one module during one forward/backward."""
+
+    inputs: list[Tensor] = field(default_factory=list)
+    output_grads: list[Tensor | None] = field(default_factory=list)
+    # Filled by squared_norms, reused by add_clipped_sum (same backward pass).
+    state: dict = field(default_factory=dict)
+
+
+def _trainable(param: Tensor | None) -> bool:
+    return param is not None and param.requires_grad
+
+
+# ---------------------------------------------------------------------------- Linear family
+
+
+def _linear_weight_norm(a: Tensor, g: Tensor, gram_cache: dict, key: int | None) -> tuple:
+    """||G_i^T a_i||_F^2 for a [B,T,m], g [B,T,n]; returns (norms, per-example grads or None).
+
+    Ghost: <a a^T, G G^T>, O(T^2 (m+n)), when 2 T^2 <= m n; otherwise materialize G_i^T a_i.
+    """
+    tokens, in_features, out_features = a.shape[1], a.shape[2], g.shape[2]
+    if 2 * tokens * tokens <= in_features * out_features:
+        if tokens == 1:
+            return a.square().sum((1, 2)) * g.square().sum((1, 2)), None
+        # Q, K and V projections read the same input tensor: compute its Gram once.
+        input_gram = gram_cache.get(key) if key is not None else None
+        if input_gram is None:
+            input_gram = torch.bmm(a, a.transpose(1, 2))
+            if key is not None:
+                gram_cache[key] = input_gram
+        output_gram = torch.bmm(g, g.transpose(1, 2))
+        return (input_gram * output_gram).sum((1, 2)), None
+    per_example = torch.bmm(g.transpose(1, 2), a)
+    return per_example.square().sum((1, 2)), per_example
+
+
+def _add_linear_clipped_sum(
+    grad: Tensor, a: Tensor, g: Tensor, clip_factors: Tensor, per_example
+) -> None:
+    """grad += sum_i c_i G_i^T a_i as ONE matmul over all (i, t) (or from materialized grads)."""
+    if per_example is not None:
+        grad.add_(torch.einsum("b,bnm->nm", clip_factors, per_example))
+        return
+    scale = clip_factors.view(-1, 1, 1)
+    if g.shape[2] <= a.shape[2]:
+        g = g * scale
+    else:
+        a = a * scale
+    grad.addmm_(g.reshape(-1, g.shape[2]).t(), a.reshape(-1, a.shape[2]))
+
+
+def _cat_tokens(tensors: list[Tensor]) -> Tensor:
+    """Concatenate calls along the token axis (no copy for the usual single call)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, 1)
+
+
+class LinearRule:
+    """nn.Linear: input [B, ..., m], output gradient [B, ..., n]."""
+
+    def check(self, module: nn.Module, name: str) -> None:
+        pass
+
+    def tokens(self, module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        """Both as [B, T, features] (T = 1 for plain vectors)."""
+        return x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+
+    def weight_matrix_shape(self, module: nn.Module) -> tuple[int, int]:
+        return module.weight.shape[0], module.weight[0].numel()
+
+    def groups(self, module: nn.Module) -> int:
+        return 1
+
+    def _stacked(self, module, calls: LayerCalls) -> tuple[Tensor, Tensor]:
+        pairs = [self.tokens(module, x, g) for x, g in zip(calls.inputs, calls.output_grads)]
+        return _cat_tokens([a for a, _ in pairs]), _cat_tokens([g for _, g in pairs])
+
+    def squared_norms(self, module, calls: LayerCalls, gram_cache: dict) -> Tensor:
+        a, g = self._stacked(module, calls)
+        calls.state.update(a=a, g=g)
+        norms = a.new_zeros(a.shape[0])
+        if _trainable(module.weight):
+            # The Gram cache is keyed by the recorded input: valid only for single calls.
+            key = id(calls.inputs[0]) if len(calls.inputs) == 1 else None
+            per_group = []
+            for a_part, g_part in self._group_slices(module, a, g):
+                group_norms, per_example = _linear_weight_norm(
+                    a_part, g_part, gram_cache, key if self.groups(module) == 1 else None
+                )
+                norms = norms + group_norms
+                per_group.append(per_example)
+            calls.state["per_example"] = per_group
+        if _trainable(module.bias):
+            bias_grads = g.sum(1)
+            calls.state["bias_grads"] = bias_grads
+            norms = norms + bias_grads.square().sum(1)
+        return norms
+
+    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor) -> None:
+        a, g = calls.state["a"], calls.state["g"]
+        if _trainable(module.weight):
+            # Group k of a grouped conv owns rows [k n/groups, (k+1) n/groups) of the weight.
+            rows = module.weight.grad.view(self.groups(module), -1, a.shape[2] // self.groups(module))
+            slices = self._group_slices(module, a, g)
+            for block, (a_part, g_part), per_example in zip(
+                rows, slices, calls.state["per_example"]
+            ):
+                _add_linear_clipped_sum(block, a_part, g_part, clip_factors, per_example)
+        if _trainable(module.bias):
+            module.bias.grad.add_(clip_factors @ calls.state["bias_grads"])
+
+    def _group_slices(self, module, a: Tensor, g: Tensor):
+        groups = self.groups(module)
+        if groups == 1:
+            yield a, g
+            return
+        in_size, out_size = a.shape[2] // groups, g.shape[2] // groups
+        for k in range(groups):
+            yield (
+                a[:, :, k * in_size : (k + 1) * in_size],
+                g[:, :, k * out_size : (k + 1) * out_size],
+            )
+
+
+class ConvRule(LinearRule):
+    """nn.Conv1d / nn.Conv2d: unfold the input into patches, then the Linear rule applies."""
+
+    def check(self, module: nn.Module, name: str) -> None:
+        if module.padding_mode != "zeros":
+            raise UnsupportedLayerError(
+                f"module '{name}' ({type(module).__name__}) uses padding_mode="
+                f"'{module.padding_mode}'; only 'zeros' is supported for per-example clipping"
+            )
+
+    def groups(self, module: nn.Module) -> int:
+        return module.groups
+
+    def tokens(self, module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(module, nn.Conv1d):
+            x = x.unsqueeze(2)  # [B, C, 1, L]: a 1-D conv is a 2-D conv of height 1
+            kernel, stride = (1, *module.kernel_size), (1, *module.stride)
+            dilation, padding = (1, *module.dilation), module.padding
+            padding = padding if isinstance(padding, str) else (0, *padding)
+        else:
+            kernel, stride = module.kernel_size, module.stride
+            dilation, padding = module.dilation, module.padding
+        if isinstance(padding, str):
+            x = _pad_same(x, kernel, dilation) if padding == "same" else x
+            padding = (0, 0)
+        patches = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+        batch = g.shape[0]
+        return patches.transpose(1, 2), g.reshape(batch, g.shape[1], -1).transpose(1, 2)
+
+
+def _pad_same(x: Tensor, kernel, dilation) -> Tensor:
+    """Zero-pad as torch does for padding='same' (extra padding goes right/bottom)."""
+    pads = []
+    for size, rate in zip(reversed(kernel), reversed(dilation)):
+        total = rate * (size - 1)
+        pads += [total // 2, total - total // 2]
+    return F.pad(x, pads)
+
+
+# ---------------------------------------------------------------------------- Embedding
+
+
+class EmbeddingRule:
+    """nn.Embedding: grad_i[v] = sum of G_i[t] over the tokens t with id v.
+
+    Rows are summed per (example, id) with one index_add over the unique pairs, so neither
+    a T x T token-equality Gram nor a dense V x d per-example gradient is ever formed.
+    """
+
+    def check(self, module: nn.Module, name: str) -> None:
+        if module.sparse or module.scale_grad_by_freq:
+            raise UnsupportedLayerError(
+                f"module '{name}' (Embedding) uses sparse=True or scale_grad_by_freq=True, "
+                "which per-example clipping does not support"
+            )
+
+    def squared_norms(self, module, calls: LayerCalls, gram_cache: dict) -> Tensor:
+        ids = _cat_tokens([x.reshape(x.shape[0], -1) for x in calls.inputs])
+        g = _cat_tokens([g.reshape(g.shape[0], -1, g.shape[-1]) for g in calls.output_grads])
+        batch, vocab = ids.shape[0], module.num_embeddings
+        if module.padding_idx is not None:
+            g = g.masked_fill((ids == module.padding_idx).unsqueeze(-1), 0)
+        example = torch.arange(batch, device=ids.device).unsqueeze(1)
+        pair_keys, pair_index = torch.unique(example * vocab + ids, return_inverse=True)
+        row_sums = g.new_zeros(pair_keys.shape[0], g.shape[-1])
+        row_sums.index_add_(0, pair_index.reshape(-1), g.reshape(-1, g.shape[-1]))
+        calls.state.update(pair_keys=pair_keys, row_sums=row_sums)
+        norms = g.new_zeros(batch)
+        return norms.index_add_(0, pair_keys // vocab, row_sums.square().sum(1))
+
+    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor) -> None:
+        pair_keys, row_sums = calls.state["pair_keys"], calls.state["row_sums"]
+        vocab = module.num_embeddings
+        scaled = row_sums * clip_factors[pair_keys // vocab].unsqueeze(1)
+        module.weight.grad.index_add_(0, pair_keys % vocab, scaled)
+
+
+# ---------------------------------------------------------------------------- Normalization
+
+
+class MaterializedRule:
+    """Layers with few parameters: form the per-example gradients [B, *param.shape]."""
+
+    def check(self, module: nn.Module, name: str) -> None:
+        pass
+
+    def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def squared_norms(self, module, calls: LayerCalls, gram_cache: dict) -> Tensor:
+        totals: dict[str, Tensor] = {}
+        for x, g in zip(calls.inputs, calls.output_grads):
+            for name, grad in self.per_example_grads(module, x, g).items():
+                totals[name] = totals[name] + grad if name in totals else grad
+        totals = {n: grad for n, grad in totals.items() if _trainable(getattr(module, n))}
+        calls.state["per_example"] = totals
+        batch = calls.inputs[0].shape[0]
+        norms = calls.inputs[0].new_zeros(batch)
+        for grad in totals.values():
+            norms = norms + grad.reshape(batch, -1).square().sum(1)
+        return norms
+
+    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor) -> None:
+        for name, grad in calls.state["per_example"].items():
+            summed = torch.tensordot(clip_factors, grad, dims=1)
+            getattr(module, name).grad.add_(summed)
+
+
+def _sum_to_parameter(values: Tensor, param_dims: int) -> Tensor:
+    """Sum [B, *middle, *param_shape] down to [B, *param_shape]."""
+    middle = tuple(range(1, values.dim() - param_dims))
+    return values.sum(middle) if middle else values
+
+
+class LayerNormRule(MaterializedRule):
+    """gamma_i = sum_t G_i[t] * xhat_i[t], beta_i = sum_t G_i[t] over the non-normalized axes."""
+
+    def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        shape = module.normalized_shape
+        normalized = F.layer_norm(x, shape, eps=module.eps)
+        grads = {"weight": _sum_to_parameter(g * normalized, len(shape))}
+        if getattr(module, "bias", None) is not None:
+            grads["bias"] = _sum_to_parameter(g, len(shape))
+        return grads
+
+
+class RMSNormRule(MaterializedRule):
+    """gamma_i = sum_t G_i[t] * x_i[t] / rms(x_i[t])."""
+
+    def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        shape = module.normalized_shape
+        normalized = F.rms_norm(x, shape, eps=module.eps)
+        return {"weight": _sum_to_parameter(g * normalized, len(shape))}
+
+
+class GroupNormRule(MaterializedRule):
+    """gamma_i[c] = sum over positions of G_i[c] * xhat_i[c]; beta_i[c] = sum of G_i[c]."""
+
+    def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        normalized = F.group_norm(x, module.num_groups, eps=module.eps)
+        spatial = tuple(range(2, x.dim()))
+        weighted = g * normalized
+        return {
+            "weight": weighted.sum(spatial) if spatial else weighted,
+            "bias": g.sum(spatial) if spatial else g,
+        }
+
+
+RULES: dict[type, object] = {
+    nn.Linear: LinearRule(),
+    nn.Conv1d: ConvRule(),
+    nn.Conv2d: ConvRule(),
+    nn.Embedding: EmbeddingRule(),
+    nn.LayerNorm: LayerNormRule(),
+    nn.RMSNorm: RMSNormRule(),
+    nn.GroupNorm: GroupNormRule(),
+}
+
+
+def rule_for(module: nn.Module):
+    """The rule of the module's type; subclasses qualify only if they keep its forward."""
+    for cls in type(module).__mro__:
+        rule = RULES.get(cls)
+        if rule is not None:
+            return rule if type(module).forward is cls.forward else None
+    return None

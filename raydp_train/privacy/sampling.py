@@ -1,0 +1,53 @@
+"""Poisson sampling of logical batches and their split into physical micro-batches (DESIGN §2.1).
+
+Each example joins a logical batch independently with probability ``q = B / N``; the batch size
+is random (possibly zero) and only its expectation ``B`` is fixed. Micro-batching only bounds
+memory: it changes nothing in the privacy analysis.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sampling_rate(expected_batch_size: int, num_examples: int) -> float:
+    """``q = B / N``: the probability that any one example joins a logical batch."""
+    if num_examples <= 0:
+        raise ValueError(f"the dataset must hold at least one example, got {num_examples}")
+    if not 0 < expected_batch_size <= num_examples:
+        raise ValueError(
+            f"training.batch_size (the expected logical batch size) must be in [1, {num_examples}]"
+            f" (the number of training examples), got {expected_batch_size}"
+        )
+    return expected_batch_size / num_examples
+
+
+def total_steps(epochs: int, expected_batch_size: int, num_examples: int) -> int:
+    """``floor(epochs / q) = floor(epochs * N / B)``, in exact integer arithmetic.
+
+    Float division can land just below an integer (e.g. ``epochs / (B / N)``) and lose a step.
+    """
+    sampling_rate(expected_batch_size, num_examples)  # validates B and N
+    if epochs < 0:
+        raise ValueError(f"training.epochs must be >= 0, got {epochs}")
+    return epochs * num_examples // expected_batch_size
+
+
+def poisson_sample(
+    num_examples: int, sampling_rate: float, generator: torch.Generator
+) -> torch.Tensor:
+    """Sorted int64 indices of the examples included, each independently with probability q.
+
+    May be empty; the caller still takes the step (zero clipped sum plus noise).
+    """
+    included = torch.rand(num_examples, generator=generator) < sampling_rate
+    return torch.nonzero(included, as_tuple=True)[0].to(torch.int64)
+
+
+def micro_batches(indices: torch.Tensor, max_physical_batch: int) -> list[torch.Tensor]:
+    """Consecutive chunks of ``indices`` of at most ``max_physical_batch``; ``[]`` if empty."""
+    if max_physical_batch <= 0:
+        raise ValueError(f"max_physical_batch must be >= 1, got {max_physical_batch}")
+    if indices.numel() == 0:
+        return []  # torch.split would give one empty chunk
+    return list(torch.split(indices, max_physical_batch))

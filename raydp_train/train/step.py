@@ -1,0 +1,48 @@
+"""One DP-SGD step (DESIGN §2.1): clipped sum -> one noise draw -> divide by q*N -> update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.privacy.noise import add_gaussian_noise_
+
+LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
+
+
+@dataclass
+class StepStats:
+    loss_sum: float  # sum of the sampled examples' losses (a diagnostic, not DP-released)
+    num_examples: int  # realized logical batch size |S| (never used to normalize)
+
+
+def private_step(
+    model: nn.Module,
+    clipper: PerExampleClipper,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Iterable[tuple[Tensor, Tensor]],
+    per_example_loss: LossFn,
+    noise_std: float,
+    expected_batch_size: float,
+    noise_generator: torch.Generator,
+) -> StepStats:
+    """g^ = (sum_i clip(g_i) + N(0, noise_std^2 I)) / (q N); an empty sample still steps."""
+    clipper.zero_grad()
+    loss_sum, count = 0.0, 0
+    for features, labels in micro_batches:
+        stats = clipper.accumulate(per_example_loss, model, features, labels)
+        loss_sum += stats.losses.sum().item()
+        count += labels.shape[0]
+    add_gaussian_noise_(clipper.flat_grad, noise_std, noise_generator)
+    # The expected batch size q*N, never |S|: |S| depends on the data.
+    clipper.flat_grad.div_(expected_batch_size)
+    optimizer.step()
+    return StepStats(loss_sum, count)
+
+
+def cross_entropy_loss(model: nn.Module, features: Tensor, labels: Tensor) -> Tensor:
+    return nn.functional.cross_entropy(model(features), labels, reduction="none")

@@ -1,0 +1,291 @@
+"""The one-backward clipped sum against a naive loop of single-example backward passes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raydp_train.privacy.clipping import (
+    BatchDimensionError,
+    PerExampleClipper,
+    UnsupportedLayerError,
+)
+
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    """Compare in float64 so 1e-5 relative error measures the method, not rounding."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def naive_clipped_sum(model, inputs, targets, loss_fn, clip_norm):
+    """Oracle: one backward per example, clip its full gradient, sum. Returns (sum, norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    norms = []
+    for i in range(inputs.shape[0]):
+        loss = loss_fn(model(inputs[i : i + 1]), targets[i : i + 1]).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        norm = torch.sqrt(sum(g.square().sum() for g in grads))
+        norms.append(norm)
+        factor = min(1.0, clip_norm / norm.item()) if norm > 0 else 1.0
+        for acc, g in zip(total, grads):
+            acc += factor * g
+    return torch.cat([t.flatten() for t in total]), torch.stack(norms)
+
+
+def engine_clipped_sum(model, inputs, targets, loss_fn, clip_norm, micro_batch=None):
+    clipper = PerExampleClipper(model, clip_norm)
+    micro_batch = micro_batch or inputs.shape[0]
+    norms = []
+    for start in range(0, inputs.shape[0], micro_batch):
+        x, y = inputs[start : start + micro_batch], targets[start : start + micro_batch]
+        norms.append(clipper.accumulate(lambda a, b: loss_fn(model(a), b), x, y).norms)
+    clipper.close()
+    # Engine order is module order; map back to model.parameters() order for the oracle.
+    by_param = {id(p): p.grad.flatten() for p in clipper.parameters}
+    flat = torch.cat([by_param[id(p)] for p in model.parameters() if p.requires_grad])
+    return flat, torch.cat(norms)
+
+
+def cross_entropy(logits, y):
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def squared_error(out, y):
+    return (out - y).square().reshape(out.shape[0], -1).sum(1)
+
+
+def assert_matches_oracle(model, x, y, loss_fn, micro_batch=None):
+    _, unclipped_norms = naive_clipped_sum(model, x, y, loss_fn, float("inf"))
+    # A clip norm at the median binds for half the examples, so clipping is exercised.
+    clip_norm = unclipped_norms.median().item()
+    expected, expected_norms = naive_clipped_sum(model, x, y, loss_fn, clip_norm)
+    got, norms = engine_clipped_sum(model, x, y, loss_fn, clip_norm, micro_batch)
+    # Error relative to the whole gradient's scale, not element-wise (DESIGN §2.3).
+    assert torch.linalg.norm(got - expected) / torch.linalg.norm(expected) < 1e-5
+    torch.testing.assert_close(norms, expected_norms, rtol=1e-7, atol=1e-9)
+
+
+class TokenModel(nn.Module):
+    """Embedding -> sequence Linear (ghost) -> tiny Linear (materialized) -> LayerNorm."""
+
+    def __init__(self, vocab=11, width=16, padding_idx=0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, padding_idx=padding_idx)
+        self.wide = nn.Linear(width, 8)  # T=6: 2*36 <= 16*8 -> ghost norm
+        self.narrow = nn.Linear(8, 3)  # 2*36 > 8*3 -> materialized
+        self.norm = nn.LayerNorm(3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, ids):
+        h = self.narrow(torch.tanh(self.wide(self.embed(ids))))
+        return self.head(self.norm(h).mean(1))
+
+
+class ConvModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv2d = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+        self.grouped = nn.Conv2d(4, 4, 3, padding="same", dilation=2, groups=2)
+        self.group_norm = nn.GroupNorm(2, 4)
+        self.head = nn.Linear(4 * 3 * 3, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.conv2d(x))
+        h = self.group_norm(self.grouped(h))
+        return self.head(h.flatten(1))
+
+
+class SequenceConvModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 5, 3, stride=1, padding=2, dilation=2)
+        self.rms = nn.RMSNorm(5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = self.conv(x).transpose(1, 2)
+        return self.head(self.rms(h).sum(1))
+
+
+class MixedModel(nn.Module):
+    """Every supported layer in one model, one layer called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(9, 6)
+        self.proj = nn.Linear(6, 6)
+        self.layer_norm = nn.LayerNorm(6)
+        self.conv1d = nn.Conv1d(6, 4, 2)
+        self.group_norm = nn.GroupNorm(2, 4)
+        self.rms = nn.RMSNorm(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        h = self.proj(self.embed(ids))
+        h = self.proj(torch.relu(h))  # reused module: its calls are summed
+        h = self.layer_norm(h).transpose(1, 2)
+        h = self.group_norm(self.conv1d(h)).transpose(1, 2)
+        return self.head(self.rms(h).mean(1))
+
+
+def test_mlp_on_vectors_with_inplace_activation():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=True), nn.Linear(7, 3))
+    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+    assert_matches_oracle(model, x, y, cross_entropy)
+
+
+def test_linear_on_sequences_mixes_ghost_and_materialized_norms():
+    torch.manual_seed(1)
+    model = TokenModel()
+    ids = torch.randint(0, 11, (10, 6))
+    ids[0, :3] = 0  # padding tokens must get no gradient
+    ids[1] = 4  # a repeated token: its rows add up before the norm
+    assert_matches_oracle(model, ids, torch.randint(0, 2, (10,)), cross_entropy)
+
+
+def test_conv2d_with_stride_dilation_same_padding_and_groups():
+    torch.manual_seed(2)
+    x, y = torch.randn(8, 2, 6, 6), torch.randint(0, 3, (8,))
+    assert_matches_oracle(ConvModel(), x, y, cross_entropy)
+
+
+def test_conv1d_and_rmsnorm():
+    torch.manual_seed(3)
+    x, y = torch.randn(9, 3, 7), torch.randint(0, 2, (9,))
+    assert_matches_oracle(SequenceConvModel(), x, y, cross_entropy)
+
+
+def test_model_mixing_every_layer_with_micro_batches():
+    torch.manual_seed(4)
+    ids, y = torch.randint(0, 9, (11, 5)), torch.randint(0, 2, (11,))
+    assert_matches_oracle(MixedModel(), ids, y, cross_entropy, micro_batch=4)
+
+
+def test_frozen_parameters_are_skipped():
+    torch.manual_seed(5)
+    model = TokenModel()
+    model.embed.weight.requires_grad_(False)
+    model.wide.bias.requires_grad_(False)
+    model.norm.weight.requires_grad_(False)
+    ids, y = torch.randint(0, 11, (10, 6)), torch.randint(0, 2, (10,))
+    assert_matches_oracle(model, ids, y, cross_entropy)
+    assert model.embed.weight.grad is None and model.wide.bias.grad is None
+
+
+def test_regression_loss_on_sequence_outputs():
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.LayerNorm(6), nn.Linear(6, 2))
+    x, y = torch.randn(7, 3, 4), torch.randn(7, 3, 2)
+    assert_matches_oracle(model, x, y, squared_error)
+
+
+def test_accumulate_adds_to_the_flat_buffer_and_zero_grad_clears_it():
+    torch.manual_seed(7)
+    model = nn.Linear(3, 2)
+    clipper = PerExampleClipper(model, clip_norm=1.0)
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    clipper.accumulate(lambda: cross_entropy(model(x), y))
+    once = clipper.flat_grad.clone()
+    clipper.accumulate(lambda: cross_entropy(model(x), y))
+    torch.testing.assert_close(clipper.flat_grad, 2 * once)
+    assert model.weight.grad.data_ptr() == clipper.flat_grad.data_ptr()
+    clipper.zero_grad()
+    assert clipper.flat_grad.abs().sum() == 0
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_every_clipped_example_norm_is_at_most_the_clip_norm():
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
+    clipper = PerExampleClipper(model, clip_norm=0.1)
+    for i in range(6):
+        x, y = torch.randn(1, 5) * 10, torch.randint(0, 3, (1,))
+        clipper.zero_grad()
+        norm = clipper.accumulate(lambda a, b: cross_entropy(model(a), b), x, y).norms
+        assert norm.item() > 0.1
+        assert torch.linalg.norm(clipper.flat_grad) == pytest.approx(0.1, rel=1e-9)
+
+
+def test_unsupported_layer_is_refused_by_name():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.raises(UnsupportedLayerError, match=r"module '1' \(BatchNorm1d\)"):
+        PerExampleClipper(model, 1.0)
+
+
+def test_unsupported_layer_is_accepted_when_frozen():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[1].requires_grad_(False)
+    assert PerExampleClipper(model, 1.0).num_parameters == 20
+
+
+def test_linear_subclass_with_its_own_forward_is_refused():
+    class ScaledLinear(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    with pytest.raises(UnsupportedLayerError, match="ScaledLinear"):
+        PerExampleClipper(nn.Sequential(ScaledLinear(3, 3)), 1.0)
+
+
+def test_tied_parameters_are_refused():
+    model = nn.ModuleDict({"embed": nn.Embedding(5, 3), "out": nn.Linear(3, 5, bias=False)})
+    model["out"].weight = model["embed"].weight
+    with pytest.raises(UnsupportedLayerError, match="tied"):
+        PerExampleClipper(model, 1.0)
+
+
+def test_broadcast_leading_dimension_is_refused():
+    """HF position embeddings called with position_ids [1, T] broadcast over the batch."""
+
+    class Broadcasting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.positions = nn.Embedding(7, 4), nn.Embedding(5, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, ids):
+            positions = torch.arange(ids.shape[1]).unsqueeze(0)
+            return self.head((self.tokens(ids) + self.positions(positions)).mean(1))
+
+    model = Broadcasting()
+    clipper = PerExampleClipper(model, 1.0)
+    ids, y = torch.randint(0, 7, (3, 5)), torch.randint(0, 2, (3,))
+    with pytest.raises(BatchDimensionError, match=r"'positions'.*leading dimension 1.*3 examples"):
+        clipper.accumulate(lambda: cross_entropy(model(ids), y))
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_scalar_loss_is_refused():
+    model = nn.Linear(3, 2)
+    clipper = PerExampleClipper(model, 1.0)
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(ValueError, match="per-example loss vector"):
+        clipper.accumulate(lambda: F.cross_entropy(model(x), y))
+
+
+def test_norms_match_opacus_grad_sample_module():
+    """Second oracle: Opacus's per-sample gradients on the same model and batch."""
+    opacus = pytest.importorskip("opacus", reason="opacus is a test-only oracle")
+    torch.manual_seed(9)
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.ReLU(), nn.GroupNorm(1, 3), nn.Flatten(), nn.Linear(27, 4)
+    )
+    x, y = torch.randn(6, 1, 5, 5), torch.randint(0, 4, (6,))
+    reference = opacus.GradSampleModule(model, loss_reduction="sum")
+    F.cross_entropy(reference(x), y, reduction="sum").backward()
+    samples = [p.grad_sample.reshape(6, -1) for p in model.parameters()]
+    opacus_norms = torch.cat(samples, 1).norm(dim=1)
+    reference._close()
+    for p in model.parameters():
+        p.grad, p.grad_sample = None, None
+    clipper = PerExampleClipper(model, clip_norm=1.0)
+    norms = clipper.accumulate(lambda: cross_entropy(model(x), y)).norms
+    torch.testing.assert_close(norms, opacus_norms, rtol=1e-6, atol=1e-9)

@@ -1,0 +1,65 @@
+"""One Gaussian draw per step, from a secure or an explicitly seeded generator."""
+
+import pytest
+import torch
+
+from raydp_train.privacy.noise import add_gaussian_noise_, make_generator, noise_std
+
+
+def _noised(n, std, generator, dtype=torch.float32):
+    tensor = torch.zeros(n, dtype=dtype)
+    add_gaussian_noise_(tensor, std, generator)
+    return tensor
+
+
+def test_seeded_generators_reproduce():
+    (gen_a, mode_a), (gen_b, _) = make_generator(123), make_generator(123)
+    assert mode_a == "seeded"
+    assert torch.equal(_noised(100, 1.0, gen_a), _noised(100, 1.0, gen_b))
+
+
+def test_secure_generators_differ():
+    (gen_a, mode_a), (gen_b, mode_b) = make_generator(None), make_generator(None)
+    assert mode_a == mode_b == "secure"
+    assert not torch.equal(_noised(100, 1.0, gen_a), _noised(100, 1.0, gen_b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mean_and_std(dtype):
+    std = 2.5
+    noise = _noised(1_000_000, std, make_generator(0)[0], dtype).double()
+    # std error of the mean: 2.5e-3; of the std: 2.5 / sqrt(2e6) = 1.8e-3
+    assert abs(noise.mean().item()) < 0.01 * std
+    assert abs(noise.std().item() - std) < 0.01 * std
+
+
+def test_adds_in_place_and_keeps_dtype():
+    tensor = torch.full((3, 4), 5.0, dtype=torch.float64)
+    before = tensor.clone()
+    add_gaussian_noise_(tensor, 0.1, make_generator(1)[0])
+    assert tensor.dtype == torch.float64 and tensor.shape == (3, 4)
+    assert not torch.equal(tensor, before)
+    assert (tensor - before).abs().max().item() < 1.0
+
+
+def test_zero_std_is_noop():
+    tensor = torch.randn(10)
+    before = tensor.clone()
+    add_gaussian_noise_(tensor, 0.0, make_generator(2)[0])
+    assert torch.equal(tensor, before)
+
+
+def test_negative_std_raises():
+    with pytest.raises(ValueError, match="std"):
+        add_gaussian_noise_(torch.zeros(3), -1.0, make_generator(3)[0])
+
+
+def test_one_draw_over_the_whole_tensor():
+    noise = _noised((1000, 100), 1.0, make_generator(4)[0], torch.float64)
+    assert noise.unique().numel() == noise.numel()  # entries are not copies of one value
+    corr = torch.corrcoef(noise.T)  # columns are uncorrelated: std error 1/sqrt(1000)
+    assert corr[~torch.eye(100, dtype=torch.bool)].abs().max().item() < 0.2
+
+
+def test_noise_std_is_sigma_times_clip():
+    assert noise_std(1.5, 0.4) == pytest.approx(0.6)

@@ -1,0 +1,86 @@
+"""The DP-SGD step: normalization by q*N, the single noise draw, empty samples, micro-batches."""
+
+import pytest
+import torch
+from torch import nn
+
+from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.train.step import cross_entropy_loss, private_step
+from raydp_train.train.worker import epoch_ends
+
+
+def make_model(seed=0, width=4):
+    torch.manual_seed(seed)
+    return nn.Linear(width, 3)
+
+
+def flat_params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def take_step(model, batches, noise_std, expected_batch_size, clip_norm=0.5, seed=1):
+    clipper = PerExampleClipper(model, clip_norm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    generator = torch.Generator().manual_seed(seed)
+    stats = private_step(
+        model, clipper, optimizer, batches, cross_entropy_loss,
+        noise_std, expected_batch_size, generator,
+    )
+    clipper.close()
+    return stats
+
+
+def naive_clipped_sum(model, x, y, clip_norm):
+    total = torch.zeros_like(flat_params(model))
+    for i in range(len(y)):
+        model.zero_grad()
+        cross_entropy_loss(model, x[i : i + 1], y[i : i + 1]).sum().backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        total += grad * min(1.0, clip_norm / grad.norm().item())
+    model.zero_grad()
+    return total
+
+
+def test_update_divides_by_the_expected_batch_size_not_the_realized_one():
+    model = make_model()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    expected = flat_params(model) - naive_clipped_sum(model, x, y, 0.5) / 10.0
+    stats = take_step(model, [(x, y)], noise_std=0.0, expected_batch_size=10.0)
+    assert stats.num_examples == 5
+    torch.testing.assert_close(flat_params(model), expected)
+
+
+def test_micro_batches_accumulate_to_the_same_step():
+    x, y = torch.randn(9, 4), torch.randint(0, 3, (9,))
+    one, split = make_model(), make_model()
+    take_step(one, [(x, y)], noise_std=0.0, expected_batch_size=8.0)
+    take_step(split, [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:], y[8:])], 0.0, 8.0)
+    torch.testing.assert_close(flat_params(one), flat_params(split))
+
+
+def test_empty_sample_still_steps_with_noise_of_the_right_scale():
+    model = make_model(width=2000)  # 6003 parameters: enough for an empirical std
+    before = flat_params(model)
+    stats = take_step(model, [], noise_std=3.0, expected_batch_size=2.0)
+    update = flat_params(model) - before
+    assert stats.num_examples == 0
+    # lr 1: update = noise / (q N), std = 3 / 2.
+    assert update.mean().abs() < 0.1
+    assert update.std().item() == pytest.approx(1.5, rel=0.05)
+
+
+def test_noise_is_one_draw_added_once():
+    """With sigma C = s, the update's std is s / (qN): noise added twice would be sqrt(2) more."""
+    model = make_model(width=5000)
+    x, y = torch.randn(3, 5000) * 0, torch.zeros(3, dtype=torch.int64)
+    before = flat_params(model)
+    take_step(model, [(x[:1], y[:1]), (x[1:], y[1:])], noise_std=1.0, expected_batch_size=1.0)
+    update = flat_params(model) - before
+    # zero inputs give zero weight gradients: weight updates are pure noise
+    weights = update[: 3 * 5000]
+    assert weights.std().item() == pytest.approx(1.0, rel=0.03)
+
+
+def test_epoch_ends_give_floor_of_epochs_over_q():
+    ends = epoch_ends(30, 64, 800)
+    assert ends[-1] == 375 and len(ends) == 30 and ends[0] == 12
