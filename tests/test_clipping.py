@@ -271,14 +271,32 @@ def test_scalar_loss_is_refused():
         clipper.accumulate(lambda: F.cross_entropy(model(x), y))
 
 
-def test_norms_match_opacus_grad_sample_module():
+def opacus_cnn():
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.ReLU(), nn.GroupNorm(1, 3), nn.Flatten(), nn.Linear(27, 4)
+    ), torch.randn(6, 1, 5, 5)
+
+
+def opacus_sequence_model():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.proj = nn.Embedding(12, 8), nn.Linear(8, 8)
+            self.norm, self.head = nn.LayerNorm(8), nn.Linear(8, 4)
+
+        def forward(self, ids):
+            return self.head(self.norm(torch.tanh(self.proj(self.embed(ids)))).mean(1))
+
+    return Model(), torch.randint(0, 12, (6, 9))
+
+
+@pytest.mark.parametrize("build", [opacus_cnn, opacus_sequence_model])
+def test_norms_match_opacus_grad_sample_module(build):
     """Second oracle: Opacus's per-sample gradients on the same model and batch."""
     opacus = pytest.importorskip("opacus", reason="opacus is a test-only oracle")
     torch.manual_seed(9)
-    model = nn.Sequential(
-        nn.Conv2d(1, 3, 3), nn.ReLU(), nn.GroupNorm(1, 3), nn.Flatten(), nn.Linear(27, 4)
-    )
-    x, y = torch.randn(6, 1, 5, 5), torch.randint(0, 4, (6,))
+    model, x = build()
+    y = torch.randint(0, 4, (6,))
     reference = opacus.GradSampleModule(model, loss_reduction="sum")
     F.cross_entropy(reference(x), y, reduction="sum").backward()
     samples = [p.grad_sample.reshape(6, -1) for p in model.parameters()]

@@ -64,7 +64,7 @@ class PerExampleClipper:
         `compute_losses(*args)` runs the model and returns the per-example loss vector [B]
         (the engine owns the reduction).
         """
-        self._attach_grads()
+        self.bind_grads()
         self._calls = {}
         with self._ghost_differentiation():
             losses = compute_losses(*args)
@@ -75,11 +75,16 @@ class PerExampleClipper:
         finally:
             self._calls = {}
 
+    def bind_grads(self) -> Tensor:
+        """(Re)bind every `.grad` to the flat buffer and return it, so that a step over an
+        empty sample still hands the optimizer what the buffer holds (its noise)."""
+        for p, view in zip(self.parameters, self._grad_views):
+            if p.grad is not view:
+                p.grad = view
+        return self.flat_grad
+
     def zero_grad(self) -> None:
-        """Start a logical batch: zero the sum and (re)bind every `.grad` to it, so that a
-        step over an empty sample still hands the optimizer its noise."""
-        self._attach_grads()
-        self.flat_grad.zero_()
+        self.bind_grads().zero_()
 
     @property
     def num_parameters(self) -> int:
@@ -166,11 +171,6 @@ class PerExampleClipper:
             )
         if not losses.requires_grad:
             raise ValueError("the loss does not depend on any trainable parameter")
-
-    def _attach_grads(self) -> None:
-        for p, view in zip(self.parameters, self._grad_views):
-            if p.grad is not view:
-                p.grad = view
 
 
 def _own_trainable(module: nn.Module) -> list[Tensor]:

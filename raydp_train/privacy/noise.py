@@ -31,11 +31,15 @@ def noise_std(noise_multiplier: float, clip_norm: float) -> float:
     return noise_multiplier * clip_norm
 
 
-def add_gaussian_noise_(tensor: torch.Tensor, std: float, generator: torch.Generator) -> None:
-    """``tensor += N(0, std^2 I)`` in place, one draw over the whole tensor; ``std == 0``: no-op."""
+def fill_gaussian_noise_(tensor: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """``tensor <- N(0, std^2 I)`` in place, one draw over the whole tensor; ``std == 0``: zeros.
+
+    A step starts its gradient sum from the noise and adds the clipped gradients onto it:
+    the same sum as adding the noise afterwards, without a second buffer or pass.
+    """
     if not std >= 0.0:
         raise ValueError(f"noise std must be >= 0, got {std}")
     if std == 0.0:
-        return
-    noise = torch.empty_like(tensor).normal_(mean=0.0, std=std, generator=generator)
-    tensor.add_(noise)
+        tensor.zero_()
+    else:
+        tensor.normal_(mean=0.0, std=std, generator=generator)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from raydp_train.privacy.clipping import PerExampleClipper
-from raydp_train.privacy.noise import add_gaussian_noise_
+from raydp_train.privacy.noise import fill_gaussian_noise_
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
@@ -30,14 +30,14 @@ def private_step(
     expected_batch_size: float,
     noise_generator: torch.Generator,
 ) -> StepStats:
-    """g^ = (sum_i clip(g_i) + N(0, noise_std^2 I)) / (q N); an empty sample still steps."""
-    clipper.zero_grad()
+    """g^ = (N(0, noise_std^2 I) + sum_i clip(g_i)) / (q N); an empty sample still steps."""
+    # The ONE noise draw of the step, drawn first: the clipped sums are added onto it.
+    fill_gaussian_noise_(clipper.bind_grads(), noise_std, noise_generator)
     loss_sum, count = 0.0, 0
     for features, labels in micro_batches:
         stats = clipper.accumulate(per_example_loss, model, features, labels)
         loss_sum += stats.losses.sum().item()
         count += labels.shape[0]
-    add_gaussian_noise_(clipper.flat_grad, noise_std, noise_generator)
     # The expected batch size q*N, never |S|: |S| depends on the data.
     clipper.flat_grad.div_(expected_batch_size)
     optimizer.step()

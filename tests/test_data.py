@@ -1,0 +1,104 @@
+"""Data sources and model builders: shapes, parquet reading and the errors users see."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raydp_train.data import DataError, load_data
+from raydp_train.models import ModelError, build_model
+from raydp_train.pipeline import pipeline_from_dict
+from raydp_train.plan import make_plan
+from raydp_train.train.worker import train
+
+
+def config(data, model=None, **sections):
+    raw = {
+        "name": "t",
+        "data": data,
+        "model": model or {"kind": "logistic"},
+        "privacy": {"noise_multiplier": 1.0, "delta": 1e-4},
+        **sections,
+    }
+    return pipeline_from_dict(raw)
+
+
+def write(path, **columns):
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def test_synthetic_matches_the_seed_setting():
+    data = load_data(config({"source": "synthetic"}).data)
+    assert data.num_train == 800 and len(data.test_labels) == 200
+    assert data.feature_shape == (20,) and data.num_classes == 2
+
+
+def test_digits_are_images_scaled_to_unit_range():
+    data = load_data(config({"source": "sklearn_digits"}).data)
+    assert data.feature_shape == (1, 8, 8) and data.num_classes == 10
+    assert data.train_features.max() <= 1.0 and data.train_features.min() >= 0.0
+
+
+def test_parquet_feature_columns_with_separate_test_file(tmp_path):
+    train = write(tmp_path / "train.parquet", a=[0.0, 1.0, 2.0], b=[1, 2, 3], label=[0, 1, 2])
+    test = write(tmp_path / "test.parquet", a=[5.0], b=[6], label=[1])
+    source = {"source": "parquet", "path": train, "test_path": test, "feature_columns": ["a", "b"]}
+    data = load_data(config(source).data)
+    assert data.train_features.tolist() == [[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]]
+    assert data.test_labels.tolist() == [1] and data.num_classes == 3
+
+
+def test_parquet_tensor_column_keeps_the_tensor_shape(tmp_path):
+    images = [np.full((1, 2, 2), i).tolist() for i in range(10)]
+    path = write(tmp_path / "x.parquet", pixels=images, label=[i % 2 for i in range(10)])
+    data = load_data(config({"source": "parquet", "path": path, "tensor_column": "pixels"}).data)
+    assert data.feature_shape == (1, 2, 2) and data.num_train == 8
+
+
+@pytest.mark.parametrize(
+    ("columns", "source", "message"),
+    [
+        (None, {"path": "nowhere.parquet"}, "data.path: parquet file not found: nowhere.parquet"),
+        ({"a": [1.0], "label": [0]}, {"feature_columns": ["zz"]}, "column(s) ['zz'] not in"),
+        ({"a": [1.0, float("nan")], "label": [0, 1]}, {}, "NaN or inf features in rows [1]"),
+        ({"a": [1.0, 2.0], "label": [0.5, 1.0]}, {}, "data.label_column: column 'label'"),
+        ({"a": pa.array([], pa.float64()), "label": pa.array([], pa.int64())}, {}, "no rows"),
+        ({"a": ["x", "y"], "label": [0, 1]}, {}, "column 'a'"),
+        ({"a": [1.0, 2.0, 3.0], "label": [0, 1, 7]}, {"num_classes": 3}, "labels must lie in [0, 2]"),
+    ],
+)
+def test_bad_parquet_is_refused_with_the_field_and_file(tmp_path, columns, source, message):
+    path = write(tmp_path / "d.parquet", **columns) if columns else source.pop("path")
+    num_classes = source.pop("num_classes", None)
+    data = {"source": "parquet", "path": path, "feature_columns": ["a"], "test_path": path}
+    data.update(source)
+    with pytest.raises(DataError) as error:
+        load_data(config(data).data, num_classes)
+    assert message in str(error.value)
+
+
+def test_ragged_tensor_column_is_refused(tmp_path):
+    path = write(tmp_path / "r.parquet", x=[[1.0, 2.0], [1.0]], label=[0, 1])
+    source = {"source": "parquet", "path": path, "tensor_column": "x", "test_path": path}
+    with pytest.raises(DataError, match="equally-shaped lists"):
+        load_data(config(source).data)
+
+
+def test_cnn_needs_image_features():
+    with pytest.raises(ModelError, match="model.kind: 'cnn' needs image features"):
+        build_model(config({"source": "synthetic"}, {"kind": "cnn"}).model, (20,), 2)
+
+
+def test_cnn_trains_privately_on_digits():
+    pipeline = config(
+        {"source": "sklearn_digits"},
+        {"kind": "cnn", "channels": [8, 16], "hidden_size": 32},
+        training={"epochs": 2, "batch_size": 128, "optimizer": "adam", "lr": 0.01},
+        run={"seed": 3},
+    )
+    data = load_data(pipeline.data)
+    plan = make_plan(pipeline, data.num_train)
+    result = train(pipeline, data, plan, on_epoch=lambda row: None)
+    assert result.steps_done == plan.steps == 2 * 1438 // 128
+    assert result.metrics[-1]["test_accuracy"] > 0.3  # 10 classes: chance is 0.1
