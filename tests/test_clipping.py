@@ -12,7 +12,6 @@ from raydp_train.privacy.clipping import (
 )
 
 
-
 @pytest.fixture(autouse=True)
 def float64():
     """Compare in float64 so 1e-5 relative error measures the method, not rounding."""
