@@ -76,8 +76,8 @@ class PerExampleClipper:
             self._calls = {}
 
     def bind_grads(self) -> Tensor:
-        """(Re)bind every `.grad` to the flat buffer and return it, so that a step over an
-        empty sample still hands the optimizer what the buffer holds (its noise)."""
+        """(Re)bind every `.grad` to the flat buffer and return it. Binding at the start of a
+        step means even a step over an empty sample hands the optimizer the buffer (its noise)."""
         for p, view in zip(self.parameters, self._grad_views):
             if p.grad is not view:
                 p.grad = view

@@ -1,4 +1,4 @@
-"""One DP-SGD step (DESIGN §2.1): clipped sum -> one noise draw -> divide by q*N -> update."""
+"""One DP-SGD step (DESIGN §2.1): one noise draw + clipped sum -> divide by q*N -> update."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def private_step(
     noise_generator: torch.Generator,
 ) -> StepStats:
     """g^ = (N(0, noise_std^2 I) + sum_i clip(g_i)) / (q N); an empty sample still steps."""
-    # The ONE noise draw of the step, drawn first: the clipped sums are added onto it.
+    # The step's ONE noise draw is the starting value of the gradient sum.
     fill_gaussian_noise_(clipper.bind_grads(), noise_std, noise_generator)
     loss_sum, count = 0.0, 0
     for features, labels in micro_batches:
