@@ -1,9 +1,11 @@
-"""`raydp-train validate | run PIPELINE [--set a.b=value ...]`."""
+"""`raydp-train validate | run PIPELINE [--set a.b=value ...]`, `raydp-train report RUN_DIR`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from raydp_train.data import DataError, load_data
 from raydp_train.models import ModelError
@@ -31,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     for name, handler, summary in (
         ("validate", validate, "check a pipeline and print what it will spend, without training"),
-        ("run", run, "train a pipeline and write its run record"),
+        ("run", run, "train a pipeline on Ray Train and write its run record"),
     ):
         command = commands.add_parser(name, help=summary, description=summary)
         command.add_argument("pipeline", metavar="PIPELINE", help="pipeline YAML file")
@@ -40,6 +42,20 @@ def _parser() -> argparse.ArgumentParser:
             help="override a field, e.g. --set privacy.noise_multiplier=1.5 (repeatable)",
         )
         command.set_defaults(command=handler)
+        if name == "run":
+            command.add_argument(
+                "--address", default=os.environ.get("RAY_ADDRESS"),
+                help="Ray cluster to run on (default: $RAY_ADDRESS; unset: an embedded local Ray)",
+            )
+            command.add_argument(
+                "--resume", metavar="RUN_DIR",
+                help="continue an interrupted run of the same pipeline from its last checkpoint",
+            )
+    report_command = commands.add_parser(
+        "report", help="print a run's metrics and privacy statement, and plot them"
+    )
+    report_command.add_argument("run_dir", metavar="RUN_DIR")
+    report_command.set_defaults(command=report)
     return parser
 
 
@@ -68,17 +84,52 @@ def validate(args) -> int:
 
 def run(args) -> int:
     from raydp_train.report import new_run_dir, privacy_statement, write_run_record
-    from raydp_train.train.worker import train
+    from raydp_train.train.trainer import ensure_ray, fit
 
-    pipeline, dataset, plan = _prepare(args)
+    pipeline, _, plan = _prepare(args)
+    run_dir = _resumed_run_dir(args.resume, pipeline) if args.resume else new_run_dir(pipeline)
+    workers = pipeline.training.workers
     print(f"{pipeline.name}: {plan.steps} steps of DP-SGD on {plan.num_examples} examples, "
-          f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={plan.clip_norm:g}",
-          flush=True)
-    result = train(pipeline, dataset, plan, on_epoch=_print_epoch(pipeline.training.epochs))
-    privacy = privacy_statement(plan, result.steps_done, result.noise_mode)
-    run_dir = new_run_dir(pipeline)
+          f"{workers} worker(s), q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, "
+          f"C={plan.clip_norm:g}\nrun directory: {run_dir}", flush=True)
+    ensure_ray(args.address, num_cpus=max(4, workers + 2))
+    result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs))
+    privacy = privacy_statement(plan, result.steps_charged, workers, result.noise_mode)
     record = write_run_record(run_dir, pipeline, result.metrics, privacy, result.model)
     _print_summary(result.metrics[-1], privacy, record)
+    return 0
+
+
+def _resumed_run_dir(run_dir: str, pipeline) -> Path:
+    """The run directory to resume, after checking it belongs to this very pipeline."""
+    from raydp_train.pipeline import dump_pipeline
+
+    saved = Path(run_dir) / "pipeline.yaml"
+    if not saved.is_file():
+        raise PipelineError(run_dir, ["--resume: not a run directory (no pipeline.yaml)"])
+    if saved.read_text() != dump_pipeline(pipeline):
+        raise PipelineError(
+            run_dir, [f"--resume: {saved} is a different pipeline; resume with the same one"]
+        )
+    return Path(run_dir)
+
+
+def report(args) -> int:
+    from raydp_train.report import metrics_table, read_record, write_plots
+
+    try:
+        record = read_record(Path(args.run_dir))
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(metrics_table(record))
+    privacy = record["privacy"]
+    print(f"\nprivacy: epsilon {privacy['epsilon']:.4f} at delta {privacy['delta']:g} "
+          f"({privacy['accountant'].upper()}), q={privacy['sampling_rate']:.4g}, "
+          f"sigma={privacy['noise_multiplier']:.4g}, C={privacy['clip_norm']:g}, "
+          f"{privacy['steps']} steps, {privacy['workers']} worker(s), noise {privacy['noise_mode']}")
+    for plot in write_plots(record, Path(args.run_dir)):
+        print(f"wrote {plot}")
     return 0
 
 

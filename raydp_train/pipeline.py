@@ -56,9 +56,10 @@ class _Section(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_booleans(cls, raw: Any) -> Any:
-        # No field is a bool, yet pydantic would quietly read `epochs: yes` as 1.
+        # Pydantic would quietly read `epochs: yes` as 1: only bool fields take booleans.
         for key, value in raw.items() if isinstance(raw, dict) else ():
-            if isinstance(value, bool) and key in cls.model_fields:
+            field = cls.model_fields.get(key)
+            if isinstance(value, bool) and field is not None and field.annotation is not bool:
                 raise _FieldProblem(f"must not be a boolean, got {_show(value)} "
                                     "(YAML reads yes/no/on/off as true/false)", key)
         return raw
@@ -180,11 +181,14 @@ class TrainingConfig(_Section):
     lr: float = Field(0.1, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    workers: int = Field(1, ge=1)  # Ray Train workers, each clipping its own shard
+    use_gpu: bool = False  # one GPU per worker; model, step and noise on it
 
 
 class RunConfig(_Section):
     seed: int | None = None  # None: secure random noise; an int is for reproducing, not release
-    output_dir: str = "runs"
+    output_dir: str = "runs"  # a run writes <output_dir>/<name>-<time>/
+    max_failures: int = Field(0, ge=0)  # worker-group restarts from the last checkpoint
 
 
 class Pipeline(_Section):

@@ -29,7 +29,9 @@ class PrivacyPlan:
     accountant: str
 
     def epsilon(self, steps: int | None = None, accountant: str | None = None) -> float:
-        """Epsilon spent after `steps` (default: the whole run)."""
+        """Epsilon spent after `steps` (default: the whole run); no noise: infinite."""
+        if self.noise_multiplier == 0:
+            return float("inf")
         return epsilon_spent(
             self.sampling_rate,
             self.noise_multiplier,

@@ -1,4 +1,9 @@
-"""Run records: what a run trained, how, and the privacy it spent (JSON, no training data)."""
+"""Run records: what a run trained, how, and the privacy it spent -- never training data.
+
+A run directory holds `pipeline.yaml` (resolved), `metrics.parquet` (one row per epoch),
+`privacy.json` (the final statement), `record.json` (all of it), `model.pt`, the write-ahead
+`charges/` and Ray Train's checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -6,40 +11,45 @@ import json
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
-from raydp_train.pipeline import Pipeline
+from raydp_train.pipeline import Pipeline, dump_pipeline
 from raydp_train.plan import PrivacyPlan
 
 
 def new_run_dir(pipeline: Pipeline) -> Path:
-    """`<run.output_dir>/<name>-<timestamp>`, never reusing an existing directory."""
+    """`<run.output_dir>/<name>-<timestamp>` with the resolved pipeline written into it."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(pipeline.run.output_dir) / f"{pipeline.name}-{stamp}"
     run_dir, suffix = base, 1
     while run_dir.exists():
         run_dir, suffix = base.with_name(f"{base.name}-{suffix}"), suffix + 1
     run_dir.mkdir(parents=True)
+    (run_dir / "pipeline.yaml").write_text(dump_pipeline(pipeline))
     return run_dir
 
 
-def privacy_statement(plan: PrivacyPlan, steps_done: int, noise_mode: str) -> dict:
+def privacy_statement(plan: PrivacyPlan, steps_charged: int, workers: int, noise_mode: str) -> dict:
     """The final (epsilon, delta) claim with everything needed to re-derive it."""
     return {
-        "epsilon": plan.epsilon(steps_done),
+        "epsilon": plan.epsilon(steps_charged),
         "delta": plan.delta,
         "accountant": plan.accountant,
-        "epsilon_rdp": plan.epsilon(steps_done, "rdp"),
-        "epsilon_pld": plan.epsilon(steps_done, "pld"),
+        "epsilon_rdp": plan.epsilon(steps_charged, "rdp"),
+        "epsilon_pld": plan.epsilon(steps_charged, "pld"),
         "rough_epsilon_estimate": plan.rough_epsilon(),
         "sampling_rate": plan.sampling_rate,
         "noise_multiplier": plan.noise_multiplier,
         "noise_calibrated": plan.noise_calibrated,
         "clip_norm": plan.clip_norm,
-        "steps": steps_done,
+        "steps": steps_charged,  # every step ever run, restarts included (write-ahead)
+        "planned_steps": plan.steps,
         "expected_batch_size": plan.expected_batch_size,
         "num_examples": plan.num_examples,
-        "workers": 1,
+        "workers": workers,
+        "noise": "one Gaussian draw per step on rank 0, summed by all-reduce",
         "noise_mode": noise_mode,
         "for_release": noise_mode == "secure",
     }
@@ -48,6 +58,8 @@ def privacy_statement(plan: PrivacyPlan, steps_done: int, noise_mode: str) -> di
 def write_run_record(
     run_dir: Path, pipeline: Pipeline, metrics: list[dict], privacy: dict, model
 ) -> Path:
+    pq.write_table(pa.Table.from_pylist(metrics), run_dir / "metrics.parquet")
+    (run_dir / "privacy.json").write_text(json.dumps(privacy, indent=2))
     record = {
         "pipeline": pipeline.model_dump(mode="json"),
         "metrics": metrics,
@@ -58,3 +70,46 @@ def write_run_record(
     path.write_text(json.dumps(record, indent=2))
     torch.save(model.state_dict(), run_dir / "model.pt")
     return path
+
+
+def read_record(run_dir: Path) -> dict:
+    path = Path(run_dir) / "record.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no run record at {path}: is {run_dir} a finished run directory?")
+    return json.loads(path.read_text())
+
+
+def metrics_table(record: dict) -> str:
+    columns = ["epoch", "steps", "steps_charged", "train_loss", "test_accuracy", "epsilon"]
+    lines = ["  ".join(f"{c:>13}" for c in columns)]
+    for row in record["metrics"]:
+        lines.append("  ".join(_cell(row[c]) for c in columns))
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    return f"{value:>13.4f}" if isinstance(value, float) else f"{value:>13}"
+
+
+def write_plots(record: dict, run_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics, privacy = record["metrics"], record["privacy"]
+    plots = []
+    for name, x, y, xlabel, ylabel in (
+        ("epsilon_vs_steps.png", "steps_charged", "epsilon", "steps charged", "epsilon"),
+        ("accuracy_vs_epoch.png", "epoch", "test_accuracy", "epoch", "test accuracy"),
+    ):
+        figure, axes = plt.subplots(figsize=(6, 4))
+        axes.plot([r[x] for r in metrics], [r[y] for r in metrics], marker="o")
+        axes.set(xlabel=xlabel, ylabel=ylabel, title=f"{record['pipeline']['name']}: {ylabel} "
+                 f"(delta={privacy['delta']:g}, {privacy['accountant'].upper()})")
+        axes.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(run_dir / name, dpi=100)
+        plt.close(figure)
+        plots.append(run_dir / name)
+    return plots

@@ -9,6 +9,7 @@ from raydp_train.data import DataError, load_data
 from raydp_train.models import ModelError, build_model
 from raydp_train.pipeline import pipeline_from_dict
 from raydp_train.plan import make_plan
+from raydp_train.train.context import LocalContext
 from raydp_train.train.worker import train
 
 
@@ -99,6 +100,6 @@ def test_cnn_trains_privately_on_digits():
     )
     data = load_data(pipeline.data)
     plan = make_plan(pipeline, data.num_train)
-    result = train(pipeline, data, plan, on_epoch=lambda row: None)
+    result = train(pipeline, plan, LocalContext(on_epoch=lambda row: None))
     assert result.steps_done == plan.steps == 2 * 1438 // 128
     assert result.metrics[-1]["test_accuracy"] > 0.3  # 10 classes: chance is 0.1

@@ -1,4 +1,4 @@
-"""One DP-SGD step (DESIGN §2.1): one noise draw + clipped sum -> divide by q*N -> update."""
+"""One DP-SGD step (DESIGN §2.1-2.2): one noise draw + clipped sums -> all-reduce -> / q*N -> update."""
 
 from __future__ import annotations
 
@@ -29,15 +29,21 @@ def private_step(
     noise_std: float,
     expected_batch_size: float,
     noise_generator: torch.Generator,
+    all_reduce_sum: Callable[[Tensor], None] = lambda tensor: None,
 ) -> StepStats:
-    """g^ = (N(0, noise_std^2 I) + sum_i clip(g_i)) / (q N); an empty sample still steps."""
-    # The step's ONE noise draw is the starting value of the gradient sum.
+    """g^ = (N(0, noise_std^2 I) + sum_w sum_{i in S_w} clip(g_i)) / (q N).
+
+    With W workers only rank 0 passes noise_std > 0; the one all-reduce sums the local
+    clipped sums and that single draw. An empty local sample still joins the collective.
+    """
+    # The step's noise draw (zeros on ranks > 0) is the starting value of the local sum.
     fill_gaussian_noise_(clipper.bind_grads(), noise_std, noise_generator)
     loss_sum, count = 0.0, 0
     for features, labels in micro_batches:
         stats = clipper.accumulate(per_example_loss, model, features, labels)
         loss_sum += stats.losses.sum().item()
         count += labels.shape[0]
+    all_reduce_sum(clipper.flat_grad)
     # The expected batch size q*N, never |S|: |S| depends on the data.
     clipper.flat_grad.div_(expected_batch_size)
     optimizer.step()

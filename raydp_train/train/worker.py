@@ -1,21 +1,22 @@
-"""The training loop, read top to bottom as DESIGN §2.1: sample, micro-batch, clip, noise,
-step, account, report. World size 1 here; the distributed issue adds the all-reduce."""
+"""The training loop of one worker, read top to bottom as DESIGN §2.2: charge, sample,
+micro-batch, clip, noise (rank 0), all-reduce, step, report. The same code runs with
+world size 1 in this process and as every rank of a Ray Train worker group."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from raydp_train.data import Dataset
+from raydp_train.data import load_data
 from raydp_train.models import build_model
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
+from raydp_train.train.context import parameter_checksum
 from raydp_train.train.step import cross_entropy_loss, private_step
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -26,7 +27,9 @@ class TrainResult:
     model: nn.Module
     metrics: list[dict] = field(default_factory=list)  # one row per epoch
     noise_mode: str = "secure"
-    steps_done: int = 0
+    steps_done: int = 0  # steps of the finished run
+    steps_charged: int = 0  # steps charged to the privacy account, restarts included
+    checksums: list[str] = field(default_factory=list)  # one per rank: all equal
 
 
 def make_optimizer(model: nn.Module, training) -> torch.optim.Optimizer:
@@ -41,56 +44,90 @@ def epoch_ends(epochs: int, expected_batch_size: int, num_examples: int) -> list
     return [e * num_examples // expected_batch_size for e in range(1, epochs + 1)]
 
 
-def train(
-    pipeline, dataset: Dataset, plan: PrivacyPlan, on_epoch: Callable[[dict], None] = print
-) -> TrainResult:
-    seed = pipeline.run.seed
+def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None) -> TrainResult:
+    """Train this worker's shard; every rank returns the same model, rank 0's metrics count."""
+    rank, world = context.rank, context.world_size
+    seed, training = pipeline.run.seed, pipeline.training
+    dataset = load_data(pipeline.data, pipeline.model.num_classes)
+    shard = torch.arange(rank, dataset.num_train, world)  # disjoint shards cover the set
     if seed is not None:
         torch.manual_seed(seed)  # model initialization, reproducible only on request
     model = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes)
-    optimizer = make_optimizer(model, pipeline.training)
+    model = model.to(context.device)
+    context.broadcast_parameters(model)
+    optimizer = make_optimizer(model, training)
     clipper = PerExampleClipper(model, plan.clip_norm)
-    noise_generator, noise_mode = make_generator(seed)
-    std = noise_std(plan.noise_multiplier, plan.clip_norm)
-    sampling_generator, _ = make_generator(None if seed is None else seed + 1)
+    noise_generator, noise_mode = make_generator(seed, context.device)
+    # Rank 0 alone draws the noise: ONE draw of std sigma*C per step for the whole world.
+    std = noise_std(plan.noise_multiplier, plan.clip_norm) if rank == 0 else 0.0
+    sampling_generator, _ = make_generator(None if seed is None else seed + 1 + rank)
+
     result = TrainResult(model=model, noise_mode=noise_mode)
-    ends = epoch_ends(pipeline.training.epochs, plan.expected_batch_size, plan.num_examples)
-    step, started = 0, time.monotonic()
-    for epoch, end in enumerate(ends, start=1):
-        loss_sum, seen = 0.0, 0
+    step, first_epoch = 0, 1
+    state = context.restore()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, first_epoch, result.metrics = state["step"], state["epoch"] + 1, state["metrics"]
+    ends = epoch_ends(training.epochs, plan.expected_batch_size, plan.num_examples)
+    started = time.monotonic()
+    for epoch in range(first_epoch, len(ends) + 1):
+        # Write-ahead: the epoch's steps are on record before any noisy gradient exists.
+        charged = context.charge(ends[epoch - 1] - step)
         model.train()
-        while step < end:
-            sample = poisson_sample(plan.num_examples, plan.sampling_rate, sampling_generator)
+        loss_sum, seen = 0.0, 0
+        while step < ends[epoch - 1]:
+            local = poisson_sample(len(shard), plan.sampling_rate, sampling_generator)
             batches = (
-                (dataset.train_features[idx], dataset.train_labels[idx])
-                for idx in micro_batches(sample, pipeline.training.max_physical_batch)
+                (dataset.train_features[i].to(context.device),
+                 dataset.train_labels[i].to(context.device))
+                for i in micro_batches(shard[local], training.max_physical_batch)
             )
             stats = private_step(
-                model, clipper, optimizer, batches, cross_entropy_loss,
-                std, plan.expected_batch_size, noise_generator,
+                model, clipper, optimizer, batches, cross_entropy_loss, std,
+                plan.expected_batch_size, noise_generator, context.all_reduce_sum,
             )
             loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
+            if step == fail_at_step:
+                context.fail_once(step)
+        totals = torch.tensor([loss_sum, seen], dtype=torch.float64, device=context.device)
+        context.all_reduce_sum(totals)
         row = {
             "epoch": epoch,
             "steps": step,
-            "examples_seen": seen,
-            "train_loss": loss_sum / max(seen, 1),
+            "steps_charged": charged,
+            "examples_seen": int(totals[1]),
+            "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
             "test_accuracy": accuracy(model, dataset.test_features, dataset.test_labels),
-            "epsilon": plan.epsilon(step),
+            "epsilon": plan.epsilon(charged),
             "elapsed_s": time.monotonic() - started,
         }
         result.metrics.append(row)
-        on_epoch(row)
+        context.report(row, _checkpoint_state(model, optimizer, epoch, step, result.metrics))
     clipper.close()
-    result.steps_done = step
+    result.steps_done, result.steps_charged = step, context.charged()
+    result.checksums = context.gather(parameter_checksum(model))
     return result
+
+
+def _checkpoint_state(model, optimizer, epoch: int, step: int, metrics: list[dict]) -> dict:
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "metrics": list(metrics),
+    }
 
 
 @torch.no_grad()
 def accuracy(model: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> float:
     model.eval()
+    device = next(model.parameters()).device
     correct = sum(
-        (model(features[i : i + 1024]).argmax(1) == labels[i : i + 1024]).sum().item()
+        (model(features[i : i + 1024].to(device)).argmax(1).cpu() == labels[i : i + 1024])
+        .sum()
+        .item()
         for i in range(0, len(labels), 1024)
     )
     return correct / max(len(labels), 1)

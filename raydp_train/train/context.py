@@ -1,0 +1,128 @@
+"""Where a worker runs: alone in this process, or as one rank of a Ray Train worker group.
+
+The training loop talks to a context for everything that depends on the world around it:
+collectives, checkpoints, progress and the write-ahead privacy charges. The loop itself
+stays the same for one worker or many, with Ray or without.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from raydp_train.train.charges import ChargeLedger
+
+
+class LocalContext:
+    """World size 1 in this process: no collectives, charges kept in memory unless a ledger."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, on_epoch=print, ledger: ChargeLedger | None = None):
+        self.on_epoch = on_epoch
+        self.ledger = ledger
+        self._charged = 0
+        self.device = torch.device("cpu")
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        pass
+
+    def gather(self, value) -> list:
+        return [value]
+
+    def charge(self, steps: int) -> int:
+        """Record `steps` as spent BEFORE running them; return the total charged so far."""
+        if self.ledger is not None:
+            return self.ledger.charge(steps)
+        self._charged += steps
+        return self._charged
+
+    def charged(self) -> int:
+        return self.ledger.total() if self.ledger is not None else self._charged
+
+    def restore(self) -> dict | None:
+        return None
+
+    def report(self, row: dict, state: dict) -> None:
+        self.on_epoch(row)
+
+    def fail_once(self, step: int) -> None:
+        raise RuntimeError(f"injected failure at step {step}")
+
+
+class RayTrainContext:
+    """One rank of a Ray Train worker group (torch.distributed is set up by TorchTrainer)."""
+
+    def __init__(self, progress_queue, ledger: ChargeLedger, run_dir: str):
+        import ray.train
+        import ray.train.torch
+
+        context = ray.train.get_context()
+        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
+        self.device = ray.train.torch.get_device()
+        self.progress_queue, self.ledger, self.run_dir = progress_queue, ledger, run_dir
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        # One collective per logical step, issued by every rank even on an empty sample.
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        """Start every rank from rank 0's initialization (secure mode seeds them differently)."""
+        for tensor in [*model.parameters(), *model.buffers()]:
+            torch.distributed.broadcast(tensor.data, src=0)
+
+    def gather(self, value) -> list:
+        values = [None] * self.world_size
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def charge(self, steps: int) -> int:
+        total = self.ledger.charge(steps) if self.rank == 0 else 0
+        # Every rank waits until rank 0 has durably recorded the charge.
+        return self.gather(total)[0]
+
+    def charged(self) -> int:
+        return self.gather(self.ledger.total() if self.rank == 0 else 0)[0]
+
+    def restore(self) -> dict | None:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as directory:
+            return torch.load(Path(directory) / "state.pt", map_location=self.device)
+
+    def report(self, row: dict, state: dict) -> None:
+        import ray.train
+
+        if self.rank != 0:
+            ray.train.report(row)
+            return
+        self.progress_queue.put(row)
+        with tempfile.TemporaryDirectory() as directory:
+            torch.save(state, Path(directory) / "state.pt")
+            ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+    def fail_once(self, step: int) -> None:
+        """Test hook: the last rank raises once per run (a marker in the run dir says so)."""
+        marker = Path(self.run_dir) / ".injected_failure"
+        if self.rank == self.world_size - 1 and not marker.exists():
+            marker.touch()
+            raise RuntimeError(f"injected failure at step {step} on rank {self.rank}")
+
+
+def parameter_checksum(model: nn.Module) -> str:
+    """sha256 over every parameter's and buffer's bytes: equal across ranks iff bit-identical."""
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        digest.update(raw.numpy().tobytes())
+    return digest.hexdigest()

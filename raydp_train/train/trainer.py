@@ -1,0 +1,100 @@
+"""Pipeline -> Ray Train: a TorchTrainer whose workers run `worker.train`, with the run's
+checkpoints, restarts and progress lines. Knows nothing of the math inside a step."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.util.queue import Empty, Queue
+
+from raydp_train.pipeline import Pipeline, pipeline_from_dict
+from raydp_train.plan import PrivacyPlan
+from raydp_train.train.charges import ChargeLedger
+from raydp_train.train.context import RayTrainContext
+from raydp_train.train.worker import TrainResult, train
+
+
+def ensure_ray(address: str | None, num_cpus: int) -> None:
+    """Connect to `address` (or RAY_ADDRESS) if given, else start an embedded local Ray."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        # Logical CPUs may exceed the machine's: workers, the progress queue and Ray's own
+        # controller must all be schedulable on a 2-core laptop (DESIGN §5).
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+def fit(
+    pipeline: Pipeline,
+    plan: PrivacyPlan,
+    run_dir: Path,
+    on_epoch: Callable[[dict], None] = print,
+    fail_at_step: int | None = None,
+) -> TrainResult:
+    """Train on Ray Train with `training.workers` workers; resumes if `run_dir` has a checkpoint.
+
+    `fail_at_step` makes the last rank raise once at that step (tests of restarts).
+    """
+    run_dir = Path(run_dir).resolve()
+    progress = Queue(actor_options={"num_cpus": 0})
+    config = {
+        "pipeline": pipeline.model_dump(mode="json"),
+        "plan": plan.as_dict(),
+        "run_dir": str(run_dir),
+        "progress": progress,
+        "fail_at_step": fail_at_step,
+    }
+    trainer = TorchTrainer(
+        _train_loop_per_worker,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(
+            num_workers=pipeline.training.workers, use_gpu=pipeline.training.use_gpu
+        ),
+        run_config=RunConfig(
+            name=run_dir.name,
+            storage_path=str(run_dir.parent),
+            failure_config=FailureConfig(
+                max_failures=pipeline.run.max_failures, controller_failure_limit=3
+            ),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+    )
+    stop = threading.Event()
+    printer = threading.Thread(target=_print_progress, args=(progress, on_epoch, stop), daemon=True)
+    printer.start()
+    try:
+        result = trainer.fit()
+    finally:
+        stop.set()
+        printer.join()
+        progress.shutdown()
+    trained: TrainResult = result.return_value
+    if len(set(trained.checksums)) != 1:
+        raise RuntimeError(f"workers ended with different parameters: {trained.checksums}")
+    return trained
+
+
+def _print_progress(progress: Queue, on_epoch, stop: threading.Event) -> None:
+    """Show rank 0's per-epoch rows on the driver as they arrive (Ray's logs stay quiet)."""
+    while True:
+        try:
+            on_epoch(progress.get(timeout=0.5))
+        except Empty:
+            if stop.is_set():
+                return
+
+
+def _train_loop_per_worker(config: dict) -> TrainResult:
+    pipeline = pipeline_from_dict(config["pipeline"])
+    plan = PrivacyPlan(**config["plan"])
+    context = RayTrainContext(config["progress"], ChargeLedger(config["run_dir"]), config["run_dir"])
+    result = train(pipeline, plan, context, config["fail_at_step"])
+    result.model = result.model.cpu()
+    return result
