@@ -6,8 +6,10 @@ import pytest
 @pytest.fixture(scope="session")
 def ray_session():
     ray = pytest.importorskip("ray", reason="ray is a runtime dependency")
-    # 4 logical CPUs on a 2-core machine: 2 workers, the progress queue and Ray Train's
-    # controller must all schedule (DESIGN §5).
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from raydp_train.train.trainer import ensure_ray
+
+    # The embedded Ray of `raydp-train run`: 4 logical CPUs, so 2 workers, the progress
+    # queue and Ray Train's controller all schedule on 2 cores (DESIGN §5).
+    ensure_ray(None, num_cpus=4)
     yield ray
     ray.shutdown()

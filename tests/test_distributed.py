@@ -87,7 +87,8 @@ def test_worker_failure_resumes_and_counts_every_step_run(ray_session, tmp_path)
     assert result.steps_done == 30
     # Epoch 2 was charged before it ran, ran to step 15, crashed; after the restart from the
     # epoch-1 checkpoint it was charged and run again: 30 + 10 charged, 35 actually run.
-    assert result.steps_charged == 40 >= 35
+    steps_actually_run = 10 + 5 + 20
+    assert result.steps_charged == 40 >= steps_actually_run
     assert result.metrics[-1]["epsilon"] == pytest.approx(plan.epsilon(40))
     assert [r["epoch"] for r in result.metrics] == [1, 2, 3]
 

@@ -3,6 +3,7 @@ checkpoints, restarts and progress lines. Knows nothing of the math inside a ste
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,9 @@ def ensure_ray(address: str | None, num_cpus: int) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
+        # Ray Train's controller polls workers every 2 s by default and each per-epoch report
+        # waits for a poll; on a laptop epochs are shorter than that.
+        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
         # Logical CPUs may exceed the machine's: workers, the progress queue and Ray's own
         # controller must all be schedulable on a 2-core laptop (DESIGN §5).
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
@@ -63,7 +67,7 @@ def fit(
             failure_config=FailureConfig(
                 max_failures=pipeline.run.max_failures, controller_failure_limit=3
             ),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            checkpoint_config=CheckpointConfig(),
         ),
     )
     stop = threading.Event()
