@@ -45,3 +45,14 @@ def test_batch_larger_than_dataset_is_refused_before_training(tmp_path, capsys):
     assert main(args) == 2
     assert "training.batch_size" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing trained, nothing written
+
+
+def test_resume_refuses_a_run_directory_of_another_pipeline(tmp_path, capsys):
+    (tmp_path / "pipeline.yaml").write_text("name: other\n")
+    assert main(["run", QUICKSTART, "--resume", str(tmp_path)]) == 2
+    assert "is a different pipeline" in capsys.readouterr().err
+
+
+def test_report_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no run record" in capsys.readouterr().err

@@ -116,3 +116,23 @@ def test_cli_run_on_ray_then_report(ray_session, tmp_path, capsys):
     assert "375 steps, 2 worker(s)" in out
     assert (run_dir / "epsilon_vs_steps.png").stat().st_size > 1000
     assert (run_dir / "accuracy_vs_epoch.png").stat().st_size > 1000
+
+
+def test_interrupted_run_resumes_from_its_last_checkpoint(ray_session, tmp_path):
+    """A run that failed for good (no restarts left) continues with `fit` on the same run dir,
+    as `raydp-train run --resume RUN_DIR` does, and still counts the lost steps."""
+    from ray.train import TrainingFailedError
+
+    pipeline = pipeline_from_dict({**small_pipeline(2, epochs=3).model_dump(),
+                                   "run": {"seed": 11, "max_failures": 0}})
+    plan = make_plan(pipeline, 640)
+    with pytest.raises(TrainingFailedError):
+        fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, fail_at_step=15)
+    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
+    assert result.steps_done == 30 and result.steps_charged == 40
+    assert [r["epoch"] for r in result.metrics] == [1, 2, 3]
+
+
+def test_epsilon_does_not_depend_on_the_number_of_workers():
+    one, two = make_plan(small_pipeline(1), 640), make_plan(small_pipeline(2), 640)
+    assert one == two and one.epsilon() == two.epsilon()
