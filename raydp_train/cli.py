@@ -12,9 +12,12 @@ from raydp_train.models import ModelError
 from raydp_train.pipeline import PipelineError, dump_pipeline, load_pipeline
 from raydp_train.plan import PlanError, make_plan
 from raydp_train.privacy.clipping import UnsupportedLayerError
+from raydp_train.privacy.lsg import LsgConfigError
 
 # Problems with the user's input: printed as one clear message, never as a traceback.
-USER_ERRORS = (PipelineError, DataError, PlanError, ModelError, UnsupportedLayerError)
+USER_ERRORS = (
+    PipelineError, DataError, PlanError, ModelError, UnsupportedLayerError, LsgConfigError
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +67,23 @@ def _prepare(args):
     pipeline = load_pipeline(args.pipeline, args.overrides)
     dataset = load_data(pipeline.data, pipeline.model.num_classes)
     plan = make_plan(pipeline, dataset.num_train)
+    _check_model(pipeline, dataset)
     return pipeline, dataset, plan
+
+
+def _check_model(pipeline, dataset) -> None:
+    """Build the model once here so unsupported layers and bad LSG settings fail early."""
+    import torch
+
+    from raydp_train.models import build_model
+    from raydp_train.privacy.clipping import PerExampleClipper
+    from raydp_train.privacy.lsg import LowRankSparseGradients
+
+    model = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes)
+    rules = None
+    if pipeline.privacy.mechanism == "lsg":
+        rules = LowRankSparseGradients(model, pipeline.privacy.lsg, torch.Generator()).rules
+    PerExampleClipper(model, pipeline.privacy.clip_norm, rules=rules).close()
 
 
 def validate(args) -> int:
@@ -89,14 +108,15 @@ def run(args) -> int:
     pipeline, _, plan = _prepare(args)
     run_dir = _resumed_run_dir(args.resume, pipeline) if args.resume else new_run_dir(pipeline)
     workers = pipeline.training.workers
-    print(f"{pipeline.name}: {plan.steps} steps of DP-SGD on {plan.num_examples} examples, "
+    mechanism = {"dpsgd": "DP-SGD", "lsg": "LSG"}[pipeline.privacy.mechanism]
+    print(f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} examples, "
           f"{workers} worker(s), q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, "
           f"C={plan.clip_norm:g}\nrun directory: {run_dir}", flush=True)
     ensure_ray(args.address, num_cpus=max(4, workers + 2))
     result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs))
     privacy = privacy_statement(plan, result.steps_charged, workers, result.noise_mode)
-    record = write_run_record(run_dir, pipeline, result.metrics, privacy, result.model)
-    _print_summary(result.metrics[-1], privacy, record)
+    record = write_run_record(run_dir, pipeline, result, privacy)
+    _print_summary(result, privacy, record)
     return 0
 
 
@@ -141,9 +161,11 @@ def _print_epoch(epochs: int):
     return show
 
 
-def _print_summary(last: dict, privacy: dict, record) -> None:
+def _print_summary(result, privacy: dict, record) -> None:
     delta = privacy["delta"]
-    print(f"\ntest accuracy           {last['test_accuracy']:.4f}")
+    print(f"\ntest accuracy           {result.metrics[-1]['test_accuracy']:.4f}")
+    print(f"trained per step        {result.trained_per_step:,} of "
+          f"{result.model_parameters:,} parameters (= all-reduce size)")
     print(f"privacy spent           epsilon {privacy['epsilon']:.4f} at delta {delta:g} "
           f"({privacy['accountant'].upper()}, {privacy['steps']} steps)")
     print(f"  RDP accountant        epsilon {privacy['epsilon_rdp']:.4f}")

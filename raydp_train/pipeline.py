@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
-    "CnnModel", "DataConfig", "DigitsData", "LogisticModel", "MlpModel", "ModelConfig",
+    "CnnModel", "DataConfig", "DigitsData", "LogisticModel", "LsgConfig", "MlpModel", "ModelConfig",
     "ParquetData", "Pipeline", "PipelineError", "PrivacyConfig", "RunConfig", "SyntheticData",
     "TrainingConfig", "apply_overrides", "dump_pipeline", "load_pipeline", "pipeline_from_dict",
 ]
@@ -159,17 +159,33 @@ ModelConfig = Annotated[LogisticModel | MlpModel | CnnModel, Field(discriminator
 # --- privacy, training, run -------------------------------------------------------------------
 
 
+class LsgConfig(_Section):
+    """Low-rank and sparse gradients (DESIGN §2.4)."""
+
+    rank: int = Field(8, ge=1)  # r: carriers L (n x r), R (r x m)
+    sparsity: float = Field(0.0, ge=0, lt=1)  # p: fraction of rows / columns frozen
+    layers: list[str] | None = Field(None, min_length=1)  # module-name patterns (fnmatch)
+    train_other: Literal["dpsgd", "freeze"] = "dpsgd"  # biases, norms, heads, embeddings
+    refresh_every: int = Field(1, ge=1)  # steps between new carriers and masks
+    sparsity_start_epoch: int = Field(0, ge=0)  # sparsity applies after this epoch
+
+
 class PrivacyConfig(_Section):
-    mechanism: Literal["dpsgd"] = "dpsgd"
+    mechanism: Literal["dpsgd", "lsg"] = "dpsgd"
     clip_norm: float = Field(1.0, gt=0)
     noise_multiplier: float | None = Field(None, gt=0)
     target_epsilon: float | None = Field(None, gt=0)  # noise_multiplier is then calibrated
     delta: float = Field(1e-5, gt=0, lt=1)
     accountant: Literal["rdp", "pld"] = "rdp"
+    lsg: LsgConfig | None = None  # used when mechanism is lsg (defaults if omitted)
 
     @model_validator(mode="after")
     def _one_noise_spec(self) -> PrivacyConfig:
         _exactly_one(self, "noise_multiplier", "target_epsilon", None)
+        if self.mechanism == "lsg" and self.lsg is None:
+            self.lsg = LsgConfig()
+        if self.mechanism == "dpsgd" and self.lsg is not None:
+            raise _FieldProblem("only allowed with mechanism: lsg", "lsg")
         return self
 
 

@@ -55,20 +55,33 @@ def privacy_statement(plan: PrivacyPlan, steps_charged: int, workers: int, noise
     }
 
 
+def training_statement(pipeline: Pipeline, result) -> dict:
+    """What each step trained and communicated (LSG trains far fewer numbers than the model)."""
+    return {
+        "mechanism": pipeline.privacy.mechanism,
+        "model_parameters": result.model_parameters,
+        "trained_numbers_per_step": result.trained_per_step,
+        "allreduce_numbers_per_step": result.trained_per_step,
+        "allreduce_collectives_per_step": 1,
+    }
+
+
 def write_run_record(
-    run_dir: Path, pipeline: Pipeline, metrics: list[dict], privacy: dict, model
+    run_dir: Path, pipeline: Pipeline, result, privacy: dict
 ) -> Path:
+    metrics = result.metrics
     pq.write_table(pa.Table.from_pylist(metrics), run_dir / "metrics.parquet")
     (run_dir / "privacy.json").write_text(json.dumps(privacy, indent=2))
     record = {
         "pipeline": pipeline.model_dump(mode="json"),
         "metrics": metrics,
         "privacy": privacy,
+        "training": training_statement(pipeline, result),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     path = run_dir / "record.json"
     path.write_text(json.dumps(record, indent=2))
-    torch.save(model.state_dict(), run_dir / "model.pt")
+    torch.save(result.model.state_dict(), run_dir / "model.pt")
     return path
 
 

@@ -59,6 +59,8 @@ def test_noise_is_one_draw_per_step_whatever_the_world_size(ray_session, tmp_pat
     expected = plan.steps**0.5 * SIGMA * CLIP / plan.expected_batch_size
     assert result.steps_done == plan.steps == 20
     assert total_update.std().item() == pytest.approx(expected, rel=0.05)
+    # The last step's reduced sum, before / qN: one draw of std sigma C (not sqrt(W) sigma C).
+    assert result.final_step_sum_std == pytest.approx(SIGMA * CLIP, rel=0.05)
     # Every worker ends with bit-identical parameters (fit also refuses otherwise).
     assert len(result.checksums) == workers and len(set(result.checksums)) == 1
 
@@ -136,3 +138,19 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(ray_session, tmp_path)
 def test_epsilon_does_not_depend_on_the_number_of_workers():
     one, two = make_plan(small_pipeline(1), 640), make_plan(small_pipeline(2), 640)
     assert one == two and one.epsilon() == two.epsilon()
+
+
+def test_lsg_on_two_workers_adds_one_draw_to_the_kept_entries_only(ray_session, tmp_path):
+    pipeline = pipeline_from_dict({
+        **small_pipeline(2).model_dump(),
+        "privacy": {"noise_multiplier": SIGMA, "clip_norm": CLIP, "delta": 1e-5,
+                    "mechanism": "lsg", "lsg": {"rank": 4, "sparsity": 0.5}},
+    })
+    plan = make_plan(pipeline, 640)
+    assert plan == make_plan(small_pipeline(2), 640)  # LSG accounting = DP-SGD accounting
+    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
+    # Only the 20 -> 128 layer is adapted (the 128 -> 2 head has min(n, m) = 2 <= rank 4):
+    # kept carriers (128 - 64) * 4 + (20 - 10) * 4 = 296, its bias 128, the head's 258.
+    assert result.trained_per_step == 296 + 258 + 128
+    assert result.final_step_sum_std == pytest.approx(SIGMA * CLIP, rel=0.05)
+    assert len(set(result.checksums)) == 1

@@ -6,8 +6,8 @@
 Forward hooks keep each covered layer's input; a tensor hook on its output keeps the output
 gradient. During the private backward the covered parameters do not require grad ("ghost
 differentiation"), so autograd computes activation gradients only and the layer rules form
-the norms and the clipped sum from what the hooks kept. All `.grad` tensors are views of
-one flat buffer, so noise and all-reduce act on a single tensor.
+the norms and the clipped sum from what the hooks kept. Every gradient slot (normally a
+parameter's `.grad`) is a view of one flat buffer, so noise and all-reduce act on one tensor.
 """
 
 from __future__ import annotations
@@ -36,21 +36,37 @@ class MicroBatchStats(NamedTuple):
 class PerExampleClipper:
     """Accumulates sum_i clip(g_i, C) over micro-batches into a flat gradient buffer."""
 
-    def __init__(self, model: nn.Module, clip_norm: float):
+    def __init__(self, model: nn.Module, clip_norm: float, rules: dict | None = None):
+        """`rules` overrides the rule of chosen modules (LSG's low-rank carriers)."""
         if not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         self.model = model
         self.clip_norm = float(clip_norm)
-        self.layers = _covered_layers(model)
+        self.layers = _covered_layers(model, rules or {})
         self.parameters = [p for _, module, _ in self.layers for p in _own_trainable(module)]
         if not self.parameters:
             raise ValueError("the model has no trainable parameters")
         _check_uniform(self.parameters)
         first = self.parameters[0]
+        shapes = [(module, rule.slot_shapes(module)) for _, module, rule in self.layers]
         self.flat_grad = torch.zeros(
-            sum(p.numel() for p in self.parameters), dtype=first.dtype, device=first.device
+            sum(s.numel() for _, named in shapes for s in named.values()),
+            dtype=first.dtype, device=first.device,
         )
-        self._grad_views = _split(self.flat_grad, self.parameters)
+        # Each module's gradient slots: views of the one flat buffer.
+        self.slots: dict[nn.Module, dict[str, Tensor]] = {}
+        offset = 0
+        for module, named in shapes:
+            self.slots[module] = {}
+            for name, shape in named.items():
+                self.slots[module][name] = self.flat_grad[offset : offset + shape.numel()].view(shape)
+                offset += shape.numel()
+        self._bound = [
+            (module._parameters[name], view)
+            for module, named in self.slots.items()
+            for name, view in named.items()
+            if module._parameters.get(name) is not None
+        ]
         self._calls: dict[nn.Module, LayerCalls] = {}
         self._recording = False
         self._ghost_leaf = torch.zeros((), dtype=first.dtype, device=first.device)
@@ -78,7 +94,7 @@ class PerExampleClipper:
     def bind_grads(self) -> Tensor:
         """(Re)bind every `.grad` to the flat buffer and return it. Binding at the start of a
         step means even a step over an empty sample hands the optimizer the buffer (its noise)."""
-        for p, view in zip(self.parameters, self._grad_views):
+        for p, view in self._bound:
             if p.grad is not view:
                 p.grad = view
         return self.flat_grad
@@ -134,11 +150,12 @@ class PerExampleClipper:
         squared = self.flat_grad.new_zeros(batch_size)
         gram_cache: dict = {}
         for _, module, rule in used:
-            squared = squared + rule.squared_norms(module, self._calls[module], gram_cache)
+            slots = self.slots[module]
+            squared = squared + rule.squared_norms(module, self._calls[module], slots, gram_cache)
         norms = squared.sqrt()
         clip_factors = self.clip_norm / norms.clamp(min=self.clip_norm)
         for _, module, rule in used:
-            rule.add_clipped_sum(module, self._calls[module], clip_factors)
+            rule.add_clipped_sum(module, self._calls[module], clip_factors, self.slots[module])
         return norms
 
     def _used_layers(self, batch_size: int) -> list:
@@ -177,7 +194,7 @@ def _own_trainable(module: nn.Module) -> list[Tensor]:
     return [p for p in module.parameters(recurse=False) if p.requires_grad]
 
 
-def _covered_layers(model: nn.Module) -> list:
+def _covered_layers(model: nn.Module, rules: dict) -> list:
     """(name, module, rule) for every module owning trainable parameters; refuse the rest."""
     layers, owners = [], {}
     for name, module in model.named_modules():
@@ -185,7 +202,7 @@ def _covered_layers(model: nn.Module) -> list:
         if not params:
             continue
         label = name or "<root>"
-        rule = rule_for(module)
+        rule = rules.get(module) or rule_for(module)
         if rule is None:
             raise UnsupportedLayerError(
                 f"module '{label}' ({type(module).__name__}) owns trainable parameters "
@@ -211,10 +228,3 @@ def _check_uniform(params: list[Tensor]) -> None:
     if len(kinds) > 1:
         raise ValueError(f"trainable parameters must share one dtype and device, got {kinds}")
 
-
-def _split(flat: Tensor, params: list[Tensor]) -> list[Tensor]:
-    views, offset = [], 0
-    for p in params:
-        views.append(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-    return views

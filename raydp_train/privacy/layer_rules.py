@@ -1,10 +1,10 @@
 """Per-layer rules for the one-backward clipped sum (DESIGN §2.3).
 
-A rule turns what the hooks recorded for one module -- the input of every call and the
-gradient of the summed loss with respect to that call's output -- into
-  * `squared_norms`: the per-example squared gradient norm over the module's trainable
-    parameters, shape [B];
-  * `add_clipped_sum`: sum_i c_i * grad_i for each trainable parameter, added into `.grad`.
+A rule names the gradient slots of a module (`slot_shapes`: by default its trainable
+parameters) and turns what the hooks recorded -- the input of every call and the gradient of
+the summed loss with respect to that call's output -- into
+  * `squared_norms`: the per-example squared gradient norm over the module's slots, [B];
+  * `add_clipped_sum`: sum_i c_i * grad_i for each slot, added into the slot's buffer.
 A module called several times in one forward is handled by concatenating its calls along
 the token axis: grad_i = sum over calls, which is exactly what the concatenation computes.
 """
@@ -32,14 +32,20 @@ class LayerCalls:
     state: dict = field(default_factory=dict)
 
 
-def _trainable(param: Tensor | None) -> bool:
-    return param is not None and param.requires_grad
+class Rule:
+    """Defaults shared by the rules: one slot per trainable parameter, nothing to check."""
+
+    def check(self, module: nn.Module, name: str) -> None:
+        pass
+
+    def slot_shapes(self, module: nn.Module) -> dict[str, torch.Size]:
+        return {n: p.shape for n, p in module.named_parameters(recurse=False) if p.requires_grad}
 
 
 # ---------------------------------------------------------------------------- Linear family
 
 
-def _linear_weight_norm(a: Tensor, g: Tensor, gram_cache: dict, key: int | None) -> tuple:
+def linear_weight_norm(a: Tensor, g: Tensor, gram_cache: dict, key: int | None) -> tuple:
     """||G_i^T a_i||_F^2 for a [B,T,m], g [B,T,n]; returns (norms, per-example grads or None).
 
     Ghost: <a a^T, G G^T>, O(T^2 (m+n)), when 2 T^2 <= m n; otherwise materialize G_i^T a_i.
@@ -60,7 +66,7 @@ def _linear_weight_norm(a: Tensor, g: Tensor, gram_cache: dict, key: int | None)
     return per_example.square().sum((1, 2)), per_example
 
 
-def _add_linear_clipped_sum(
+def add_linear_clipped_sum(
     grad: Tensor, a: Tensor, g: Tensor, clip_factors: Tensor, per_example
 ) -> None:
     """grad += sum_i c_i G_i^T a_i as ONE matmul over all (i, t) (or from materialized grads)."""
@@ -80,11 +86,8 @@ def _cat_tokens(tensors: list[Tensor]) -> Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, 1)
 
 
-class LinearRule:
+class LinearRule(Rule):
     """nn.Linear: input [B, ..., m], output gradient [B, ..., n]."""
-
-    def check(self, module: nn.Module, name: str) -> None:
-        pass
 
     def tokens(self, module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """Both as [B, T, features] (T = 1 for plain vectors)."""
@@ -96,43 +99,44 @@ class LinearRule:
     def groups(self, module: nn.Module) -> int:
         return 1
 
-    def _stacked(self, module, calls: LayerCalls) -> tuple[Tensor, Tensor]:
+    def stacked_tokens(self, module, calls: LayerCalls) -> tuple[Tensor, Tensor]:
         pairs = [self.tokens(module, x, g) for x, g in zip(calls.inputs, calls.output_grads)]
         return _cat_tokens([a for a, _ in pairs]), _cat_tokens([g for _, g in pairs])
 
-    def squared_norms(self, module, calls: LayerCalls, gram_cache: dict) -> Tensor:
-        a, g = self._stacked(module, calls)
+    def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
+        a, g = self.stacked_tokens(module, calls)
         calls.state.update(a=a, g=g)
         norms = a.new_zeros(a.shape[0])
-        if _trainable(module.weight):
+        if "weight" in slots:
             # The Gram cache is keyed by the recorded input: valid only for single calls.
             key = id(calls.inputs[0]) if len(calls.inputs) == 1 else None
             per_group = []
             for a_part, g_part in self._group_slices(module, a, g):
-                group_norms, per_example = _linear_weight_norm(
+                group_norms, per_example = linear_weight_norm(
                     a_part, g_part, gram_cache, key if self.groups(module) == 1 else None
                 )
                 norms = norms + group_norms
                 per_group.append(per_example)
             calls.state["per_example"] = per_group
-        if _trainable(module.bias):
+        if "bias" in slots:
             bias_grads = g.sum(1)
             calls.state["bias_grads"] = bias_grads
             norms = norms + bias_grads.square().sum(1)
         return norms
 
-    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor) -> None:
+    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
         a, g = calls.state["a"], calls.state["g"]
-        if _trainable(module.weight):
+        if "weight" in slots:
             # Group k of a grouped conv owns rows [k n/groups, (k+1) n/groups) of the weight.
-            rows = module.weight.grad.view(self.groups(module), -1, a.shape[2] // self.groups(module))
+            groups = self.groups(module)
+            rows = slots["weight"].view(groups, -1, a.shape[2] // groups)
             slices = self._group_slices(module, a, g)
             for block, (a_part, g_part), per_example in zip(
                 rows, slices, calls.state["per_example"]
             ):
-                _add_linear_clipped_sum(block, a_part, g_part, clip_factors, per_example)
-        if _trainable(module.bias):
-            module.bias.grad.add_(clip_factors @ calls.state["bias_grads"])
+                add_linear_clipped_sum(block, a_part, g_part, clip_factors, per_example)
+        if "bias" in slots:
+            slots["bias"].add_(clip_factors @ calls.state["bias_grads"])
 
     def _group_slices(self, module, a: Tensor, g: Tensor):
         groups = self.groups(module)
@@ -189,7 +193,7 @@ def _pad_same(x: Tensor, kernel, dilation) -> Tensor:
 # ---------------------------------------------------------------------------- Embedding
 
 
-class EmbeddingRule:
+class EmbeddingRule(Rule):
     """nn.Embedding: grad_i[v] = sum of G_i[t] over the tokens t with id v.
 
     Rows are summed per (example, id) with one index_add over the unique pairs, so neither
@@ -203,7 +207,7 @@ class EmbeddingRule:
                 "which per-example clipping does not support"
             )
 
-    def squared_norms(self, module, calls: LayerCalls, gram_cache: dict) -> Tensor:
+    def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
         ids = _cat_tokens([x.reshape(x.shape[0], -1) for x in calls.inputs])
         g = _cat_tokens([g.reshape(g.shape[0], -1, g.shape[-1]) for g in calls.output_grads])
         batch, vocab = ids.shape[0], module.num_embeddings
@@ -217,31 +221,28 @@ class EmbeddingRule:
         norms = g.new_zeros(batch)
         return norms.index_add_(0, pair_keys // vocab, row_sums.square().sum(1))
 
-    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor) -> None:
+    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
         pair_keys, row_sums = calls.state["pair_keys"], calls.state["row_sums"]
         vocab = module.num_embeddings
         scaled = row_sums * clip_factors[pair_keys // vocab].unsqueeze(1)
-        module.weight.grad.index_add_(0, pair_keys % vocab, scaled)
+        slots["weight"].index_add_(0, pair_keys % vocab, scaled)
 
 
 # ---------------------------------------------------------------------------- Normalization
 
 
-class MaterializedRule:
+class MaterializedRule(Rule):
     """Layers with few parameters: form the per-example gradients [B, *param.shape]."""
-
-    def check(self, module: nn.Module, name: str) -> None:
-        pass
 
     def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def squared_norms(self, module, calls: LayerCalls, gram_cache: dict) -> Tensor:
+    def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
         totals: dict[str, Tensor] = {}
         for x, g in zip(calls.inputs, calls.output_grads):
             for name, grad in self.per_example_grads(module, x, g).items():
                 totals[name] = totals[name] + grad if name in totals else grad
-        totals = {n: grad for n, grad in totals.items() if _trainable(getattr(module, n))}
+        totals = {n: grad for n, grad in totals.items() if n in slots}
         calls.state["per_example"] = totals
         batch = calls.inputs[0].shape[0]
         norms = calls.inputs[0].new_zeros(batch)
@@ -249,10 +250,9 @@ class MaterializedRule:
             norms = norms + grad.reshape(batch, -1).square().sum(1)
         return norms
 
-    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor) -> None:
+    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
         for name, grad in calls.state["per_example"].items():
-            summed = torch.tensordot(clip_factors, grad, dims=1)
-            getattr(module, name).grad.add_(summed)
+            slots[name].add_(torch.tensordot(clip_factors, grad, dims=1))
 
 
 def _sum_to_parameter(values: Tensor, param_dims: int) -> Tensor:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.privacy.lsg import LowRankSparseGradients
 from raydp_train.privacy.noise import fill_gaussian_noise_
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
@@ -18,6 +19,7 @@ LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 class StepStats:
     loss_sum: float  # sum of the sampled examples' losses (a diagnostic, not DP-released)
     num_examples: int  # realized logical batch size |S| (never used to normalize)
+    trained_sum_std: float  # std of the reduced sum's trained entries (noise diagnostics)
 
 
 def private_step(
@@ -30,11 +32,14 @@ def private_step(
     expected_batch_size: float,
     noise_generator: torch.Generator,
     all_reduce_sum: Callable[[Tensor], None] = lambda tensor: None,
+    lsg: LowRankSparseGradients | None = None,
 ) -> StepStats:
     """g^ = (N(0, noise_std^2 I) + sum_w sum_{i in S_w} clip(g_i)) / (q N).
 
     With W workers only rank 0 passes noise_std > 0; the one all-reduce sums the local
     clipped sums and that single draw. An empty local sample still joins the collective.
+    With LSG the gradient buffer holds carrier gradients: only their kept entries are
+    reduced (frozen ones end exactly 0) and they are mapped back to the weights.
     """
     # The step's noise draw (zeros on ranks > 0) is the starting value of the local sum.
     fill_gaussian_noise_(clipper.bind_grads(), noise_std, noise_generator)
@@ -43,11 +48,21 @@ def private_step(
         stats = clipper.accumulate(per_example_loss, model, features, labels)
         loss_sum += stats.losses.sum().item()
         count += labels.shape[0]
-    all_reduce_sum(clipper.flat_grad)
+    if lsg is None:
+        all_reduce_sum(clipper.flat_grad)
+    else:
+        kept = clipper.flat_grad[lsg.kept]
+        all_reduce_sum(kept)
+        clipper.flat_grad.zero_()
+        clipper.flat_grad[lsg.kept] = kept
+    trained = clipper.flat_grad if lsg is None else clipper.flat_grad[lsg.kept]
+    trained_sum_std = trained.std().item()
     # The expected batch size q*N, never |S|: |S| depends on the data.
     clipper.flat_grad.div_(expected_batch_size)
+    if lsg is not None:
+        lsg.write_weight_grads(clipper.slots)
     optimizer.step()
-    return StepStats(loss_sum, count)
+    return StepStats(loss_sum, count, trained_sum_std)
 
 
 def cross_entropy_loss(model: nn.Module, features: Tensor, labels: Tensor) -> Tensor:

@@ -4,6 +4,7 @@ world size 1 in this process and as every rank of a Ray Train worker group."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from raydp_train.data import load_data
 from raydp_train.models import build_model
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.privacy.lsg import LowRankSparseGradients
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train.context import parameter_checksum
@@ -30,13 +32,30 @@ class TrainResult:
     steps_done: int = 0  # steps of the finished run
     steps_charged: int = 0  # steps charged to the privacy account, restarts included
     checksums: list[str] = field(default_factory=list)  # one per rank: all equal
+    # Numbers trained (= all-reduced) per step: LSG's kept carrier entries + other params.
+    trained_per_step: int = 0
+    model_parameters: int = 0
+    # std of the last step's reduced (noise + clipped) sum over its trained entries: about
+    # sigma*C when the noise dominates; sqrt(W) times that if noise were added per worker.
+    final_step_sum_std: float = float("nan")
 
 
 def make_optimizer(model: nn.Module, training) -> torch.optim.Optimizer:
     options = {"lr": training.lr, "weight_decay": training.weight_decay}
     if training.optimizer == "sgd":
         options["momentum"] = training.momentum
-    return OPTIMIZERS[training.optimizer](model.parameters(), **options)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return OPTIMIZERS[training.optimizer](trainable, **options)
+
+
+def _low_rank_sparse(pipeline, model: nn.Module, context) -> LowRankSparseGradients | None:
+    """LSG state when the pipeline asks for it; every rank draws the same carriers."""
+    if pipeline.privacy.mechanism != "lsg":
+        return None
+    seed = pipeline.run.seed
+    shared_seed = context.gather(int.from_bytes(os.urandom(8), "little") if seed is None else seed)[0]
+    generator = torch.Generator().manual_seed(shared_seed)
+    return LowRankSparseGradients(model, pipeline.privacy.lsg, generator)
 
 
 def epoch_ends(epochs: int, expected_batch_size: int, num_examples: int) -> list[int]:
@@ -55,8 +74,11 @@ def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None)
     model = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes)
     model = model.to(context.device)
     context.broadcast_parameters(model)
+    lsg = _low_rank_sparse(pipeline, model, context)
     optimizer = make_optimizer(model, training)
-    clipper = PerExampleClipper(model, plan.clip_norm)
+    clipper = PerExampleClipper(model, plan.clip_norm, rules=lsg.rules if lsg else None)
+    if lsg is not None:
+        lsg.bind(clipper.slots, clipper.flat_grad)
     noise_generator, noise_mode = make_generator(seed, context.device)
     # Rank 0 alone draws the noise: ONE draw of std sigma*C per step for the whole world.
     std = noise_std(plan.noise_multiplier, plan.clip_norm) if rank == 0 else 0.0
@@ -69,6 +91,8 @@ def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, first_epoch, result.metrics = state["step"], state["epoch"] + 1, state["metrics"]
+        if lsg is not None:
+            lsg.refresh(step, first_epoch, force=True)  # carriers of the restored weights
     ends = epoch_ends(training.epochs, plan.expected_batch_size, plan.num_examples)
     started = time.monotonic()
     for epoch in range(first_epoch, len(ends) + 1):
@@ -77,6 +101,8 @@ def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None)
         model.train()
         loss_sum, seen = 0.0, 0
         while step < ends[epoch - 1]:
+            if lsg is not None:
+                lsg.refresh(step, epoch)
             local = poisson_sample(len(shard), plan.sampling_rate, sampling_generator)
             batches = (
                 (dataset.train_features[i].to(context.device),
@@ -85,9 +111,10 @@ def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None)
             )
             stats = private_step(
                 model, clipper, optimizer, batches, cross_entropy_loss, std,
-                plan.expected_batch_size, noise_generator, context.all_reduce_sum,
+                plan.expected_batch_size, noise_generator, context.all_reduce_sum, lsg,
             )
             loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
+            result.final_step_sum_std = stats.trained_sum_std
             if step == fail_at_step:
                 context.fail_once(step)
         totals = torch.tensor([loss_sum, seen], dtype=torch.float64, device=context.device)
@@ -106,6 +133,8 @@ def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None)
         context.report(row, _checkpoint_state(model, optimizer, epoch, step, result.metrics))
     clipper.close()
     result.steps_done, result.steps_charged = step, context.charged()
+    result.trained_per_step = int(lsg.kept.sum()) if lsg is not None else clipper.num_parameters
+    result.model_parameters = sum(p.numel() for p in model.parameters())
     result.checksums = context.gather(parameter_checksum(model))
     return result
 
