@@ -1,6 +1,7 @@
 """One local Ray for the whole test session, started only if a test asks for it."""
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +14,12 @@ def ray_session():
     ensure_ray(None, num_cpus=4)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def float64():
+    """Compare in float64 so 1e-5 relative error measures the method, not rounding."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

@@ -11,14 +11,7 @@ from raydp_train.privacy.clipping import (
     UnsupportedLayerError,
 )
 
-
-@pytest.fixture(autouse=True)
-def float64():
-    """Compare in float64 so 1e-5 relative error measures the method, not rounding."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def naive_clipped_sum(model, inputs, targets, loss_fn, clip_norm):

@@ -21,13 +21,7 @@ from raydp_train.train.context import LocalContext
 from raydp_train.train.step import cross_entropy_loss, private_step
 from raydp_train.train.worker import train
 
-
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def lsg_for(model, **config):
