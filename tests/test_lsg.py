@@ -113,10 +113,23 @@ def test_carrier_gradients_match_a_reparametrized_conv_layer():
     oracle_and_engine(model, torch.randn(6, 3, 4, 4), torch.randint(0, 2, (6,)))
 
 
-@pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.75])
-def test_kept_count_and_frozen_entries_exactly_zero_after_noise(sparsity):
-    torch.manual_seed(4)
+def linear_model():
     model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 3))
+    return model, torch.randn(5, 10), ((8, 10), (3, 8))
+
+
+def conv_model():
+    """Conv kernels flatten to n x (m k k): 8 x (3*3*3) and 3 x (8*3*3)."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 3, 3),
+                          nn.Flatten())
+    return model, torch.randn(5, 3, 3, 3), ((8, 27), (3, 72))
+
+
+@pytest.mark.parametrize("build", [linear_model, conv_model])
+@pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.75])
+def test_kept_count_and_frozen_entries_exactly_zero_after_noise(sparsity, build):
+    torch.manual_seed(4)
+    model, x, shapes = build()
     rank = 2
     lsg = lsg_for(model, rank=rank, sparsity=sparsity, layers=["0", "2"])
     clipper = PerExampleClipper(model, 1.0, rules=lsg.rules)
@@ -127,10 +140,10 @@ def test_kept_count_and_frozen_entries_exactly_zero_after_noise(sparsity):
         for name, view in clipper.slots[module].items() if name.startswith("carrier")
     )
     expected = sum((n - math.floor(sparsity * n)) * rank + (m - math.floor(sparsity * m)) * rank
-                   for n, m in ((8, 10), (3, 8)))
+                   for n, m in shapes)
     assert carrier_entries == expected
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(5, 10), torch.randint(0, 3, (5,))
+    y = torch.randint(0, 3, (5,))
     private_step(model, clipper, optimizer, [(x, y)], cross_entropy_loss, 3.0, 5.0,
                  torch.Generator().manual_seed(5), lsg=lsg)
     for module, carriers in lsg.carriers.items():
