@@ -19,7 +19,6 @@ LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 class StepStats:
     loss_sum: float  # sum of the sampled examples' losses (a diagnostic, not DP-released)
     num_examples: int  # realized logical batch size |S| (never used to normalize)
-    trained_sum_std: float  # std of the reduced sum's trained entries (noise diagnostics)
 
 
 def private_step(
@@ -55,14 +54,12 @@ def private_step(
         all_reduce_sum(kept)
         clipper.flat_grad.zero_()
         clipper.flat_grad[lsg.kept] = kept
-    trained = clipper.flat_grad if lsg is None else clipper.flat_grad[lsg.kept]
-    trained_sum_std = trained.std().item()
     # The expected batch size q*N, never |S|: |S| depends on the data.
     clipper.flat_grad.div_(expected_batch_size)
     if lsg is not None:
         lsg.write_weight_grads(clipper.slots)
     optimizer.step()
-    return StepStats(loss_sum, count, trained_sum_std)
+    return StepStats(loss_sum, count)
 
 
 def cross_entropy_loss(model: nn.Module, features: Tensor, labels: Tensor) -> Tensor:

@@ -114,7 +114,6 @@ def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None)
                 plan.expected_batch_size, noise_generator, context.all_reduce_sum, lsg,
             )
             loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
-            result.final_step_sum_std = stats.trained_sum_std
             if step == fail_at_step:
                 context.fail_once(step)
         totals = torch.tensor([loss_sum, seen], dtype=torch.float64, device=context.device)
@@ -131,6 +130,8 @@ def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None)
         }
         result.metrics.append(row)
         context.report(row, _checkpoint_state(model, optimizer, epoch, step, result.metrics))
+    trained = clipper.flat_grad if lsg is None else clipper.flat_grad[lsg.kept]
+    result.final_step_sum_std = trained.std().item() * plan.expected_batch_size
     clipper.close()
     result.steps_done, result.steps_charged = step, context.charged()
     result.trained_per_step = int(lsg.kept.sum()) if lsg is not None else clipper.num_parameters
