@@ -21,17 +21,26 @@ class ChargeLedger:
         self.filesystem, root = fs.FileSystem.from_uri(_as_uri(run_dir))
         self.directory = f"{root.rstrip('/')}/charges"
         self.filesystem.create_dir(self.directory, recursive=True)
+        self._total: int | None = None  # read from the files once, then kept up to date
 
     def charge(self, steps: int) -> int:
         """Durably record `steps` as spent; returns the total charged by the run so far."""
+        before = self.total()  # read before writing, so the new charge counts once
         name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
         temporary, final = f"{self.directory}/.{name}.tmp", f"{self.directory}/{name}"
         with self.filesystem.open_output_stream(temporary) as stream:
             stream.write(json.dumps({"steps": steps, "time": time.time()}).encode())
         self.filesystem.move(temporary, final)
-        return self.total()
+        self._total = before + steps
+        return self._total
 
     def total(self) -> int:
+        """Every charge on record, earlier attempts of the run included."""
+        if self._total is None:
+            self._total = self._read_total()
+        return self._total
+
+    def _read_total(self) -> int:
         selector = fs.FileSelector(self.directory, allow_not_found=True)
         total = 0
         for info in self.filesystem.get_file_info(selector):

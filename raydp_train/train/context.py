@@ -18,13 +18,12 @@ from raydp_train.train.charges import ChargeLedger
 
 
 class LocalContext:
-    """World size 1 in this process: no collectives, charges kept in memory unless a ledger."""
+    """World size 1 in this process: no collectives, no checkpoints, charges kept in memory."""
 
     rank, world_size = 0, 1
 
-    def __init__(self, on_epoch=print, ledger: ChargeLedger | None = None):
+    def __init__(self, on_epoch=print):
         self.on_epoch = on_epoch
-        self.ledger = ledger
         self._charged = 0
         self.device = torch.device("cpu")
 
@@ -39,13 +38,11 @@ class LocalContext:
 
     def charge(self, steps: int) -> int:
         """Record `steps` as spent BEFORE running them; return the total charged so far."""
-        if self.ledger is not None:
-            return self.ledger.charge(steps)
         self._charged += steps
         return self._charged
 
     def charged(self) -> int:
-        return self.ledger.total() if self.ledger is not None else self._charged
+        return self._charged
 
     def restore(self) -> dict | None:
         return None
