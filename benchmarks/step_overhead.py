@@ -268,17 +268,18 @@ def section(workloads: list[Workload], results: dict, contention: dict, command:
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace our section of the results file (or append it); keep every other section."""
+    """Replace the section `text` starts with (its `## ` line) or append it; keep the rest."""
+    title = text.split("\n", 1)[0]
     header = (f"# Benchmark results\n\nResults are ratios measured in one process on this machine: "
               f"{CORES} CPU cores, torch {torch.__version__}, {datetime.date.today()}.\n")
     old = path.read_text() if path.exists() else header
-    start = old.find(SECTION)
+    start = old.find(title)
     if start < 0:
         new = old.rstrip("\n") + "\n\n" + text
     else:
-        end = old.find("\n## ", start + len(SECTION))
+        end = old.find("\n## ", start + len(title))
         rest = old[end + 1:] if end >= 0 else ""
-        new = old[:start] + text + ("\n" + rest if rest else "")
+        new = old[:start] + text.rstrip("\n") + ("\n\n" + rest if rest else "")
     path.write_text(new.rstrip("\n") + "\n")
 
 
