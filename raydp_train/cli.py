@@ -1,4 +1,5 @@
-"""`raydp-train validate | run PIPELINE [--set a.b=value ...]`, `raydp-train report RUN_DIR`."""
+"""`raydp-train validate | run | tune PIPELINE [--set a.b=value ...]`,
+`raydp-train report RUN_DIR`, `raydp-train budget status | history NAME --ledger PATH`."""
 
 from __future__ import annotations
 
@@ -7,17 +8,22 @@ import os
 import sys
 from pathlib import Path
 
-from raydp_train.data import DataError, load_data
+from raydp_train.data import DataError
 from raydp_train.models import ModelError
 from raydp_train.pipeline import PipelineError, dump_pipeline, load_pipeline
-from raydp_train.plan import PlanError, make_plan
+from raydp_train.plan import PlanError
+from raydp_train.privacy.budget import BudgetError
 from raydp_train.privacy.clipping import UnsupportedLayerError
+from raydp_train.privacy.ledger import LedgerError
 from raydp_train.privacy.lsg import LsgConfigError
 
 # Problems with the user's input: printed as one clear message, never as a traceback.
 USER_ERRORS = (
-    PipelineError, DataError, PlanError, ModelError, UnsupportedLayerError, LsgConfigError
+    PipelineError, DataError, PlanError, ModelError, UnsupportedLayerError, LsgConfigError,
+    BudgetError, LedgerError,
 )
+# `run` and `tune` exit with this when the global budget refused to let them finish.
+EXIT_BUDGET_EXHAUSTED = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, handler, summary in (
         ("validate", validate, "check a pipeline and print what it will spend, without training"),
         ("run", run, "train a pipeline on Ray Train and write its run record"),
+        ("tune", tune_command, ("sweep a pipeline's tune.search_space on Ray Tune, every trial "
+         "spending from its one global budget")),
     ):
         command = commands.add_parser(name, help=summary, description=summary)
         command.add_argument("pipeline", metavar="PIPELINE", help="pipeline YAML file")
@@ -45,11 +53,12 @@ def _parser() -> argparse.ArgumentParser:
             help="override a field, e.g. --set privacy.noise_multiplier=1.5 (repeatable)",
         )
         command.set_defaults(command=handler)
-        if name == "run":
+        if name in ("run", "tune"):
             command.add_argument(
                 "--address", default=os.environ.get("RAY_ADDRESS"),
                 help="Ray cluster to run on (default: $RAY_ADDRESS; unset: an embedded local Ray)",
             )
+        if name == "run":
             command.add_argument(
                 "--resume", metavar="RUN_DIR",
                 help="continue an interrupted run of the same pipeline from its last checkpoint",
@@ -59,31 +68,29 @@ def _parser() -> argparse.ArgumentParser:
     )
     report_command.add_argument("run_dir", metavar="RUN_DIR")
     report_command.set_defaults(command=report)
+    budget_command = commands.add_parser(
+        "budget", help="show a global privacy budget from its ledger (no Ray needed)")
+    views = budget_command.add_subparsers(required=True, metavar="VIEW")
+    for name, handler, summary in (
+        ("status", budget_status, "epsilon counted and remaining, steps per owner"),
+        ("history", budget_history, "every ledger row: opened, reserved, settled"),
+    ):
+        view = views.add_parser(name, help=summary, description=summary)
+        view.add_argument("name", metavar="NAME", help="budget name (budget.name)")
+        view.add_argument("--ledger", required=True, metavar="PATH_OR_URI",
+                          help="the budget's ledger (budget.ledger), e.g. budgets or s3://b/l")
+        view.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        view.set_defaults(command=handler)
     return parser
 
 
 def _prepare(args):
-    """Everything that can fail on bad input, before any noisy gradient is released."""
+    """Load and check everything before any privacy is spent (see preflight)."""
+    from raydp_train.preflight import check_pipeline
+
     pipeline = load_pipeline(args.pipeline, args.overrides)
-    dataset = load_data(pipeline.data, pipeline.model.num_classes)
-    plan = make_plan(pipeline, dataset.num_train)
-    _check_model(pipeline, dataset)
+    dataset, plan = check_pipeline(pipeline)
     return pipeline, dataset, plan
-
-
-def _check_model(pipeline, dataset) -> None:
-    """Build the model once here so unsupported layers and bad LSG settings fail early."""
-    import torch
-
-    from raydp_train.models import build_model
-    from raydp_train.privacy.clipping import PerExampleClipper
-    from raydp_train.privacy.lsg import LowRankSparseGradients
-
-    model = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes)
-    rules = None
-    if pipeline.privacy.mechanism == "lsg":
-        rules = LowRankSparseGradients(model, pipeline.privacy.lsg, torch.Generator()).rules
-    PerExampleClipper(model, pipeline.privacy.clip_norm, rules=rules).close()
 
 
 def validate(args) -> int:
@@ -96,8 +103,14 @@ def validate(args) -> int:
     how = "calibrated to target_epsilon" if plan.noise_calibrated else "given"
     print(f"noise multiplier sigma  {plan.noise_multiplier:.6g} ({how})")
     print(f"clip norm C             {plan.clip_norm:g}")
+    releases = plan.epochs * plan.releases_per_epoch
+    extra = f", incl. {releases} noisy validation releases" if releases else ""
     print(f"will spend              epsilon {plan.epsilon():.4f} at delta {plan.delta:g} "
-          f"({plan.accountant.upper()})")
+          f"({plan.accountant.upper()}{extra})")
+    if pipeline.budget is not None:
+        budget = pipeline.budget
+        print(f"spends from budget      {budget.name} (epsilon {budget.epsilon:g}, delta "
+              f"{budget.delta:g}, {budget.accountant.upper()}; ledger {budget.ledger})")
     return 0
 
 
@@ -113,10 +126,59 @@ def run(args) -> int:
           f"{workers} worker(s), q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, "
           f"C={plan.clip_norm:g}\nrun directory: {run_dir}", flush=True)
     ensure_ray(args.address, num_cpus=max(4, workers + 2))
-    result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs))
-    privacy = privacy_statement(plan, result.steps_charged, workers, result.noise_mode)
+    budget = _open_budget(pipeline)
+    result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs),
+                 budget=budget, owner=run_dir.name)
+    privacy = privacy_statement(plan, result, workers)
     record = write_run_record(run_dir, pipeline, result, privacy)
     _print_summary(result, privacy, record)
+    if budget is not None:
+        from raydp_train.budget_report import status_text
+
+        print(status_text(budget.status()))
+    if result.stop_reason != "completed":
+        print(f"\nSTOPPED: {result.stop_reason}\nthe last checkpoint is in {run_dir}")
+        return EXIT_BUDGET_EXHAUSTED
+    return 0
+
+
+def _open_budget(pipeline):
+    """The pipeline's global budget (created from this driver), or None; prints its state."""
+    from raydp_train.budget_actor import open_budget
+    from raydp_train.budget_report import status_text
+
+    if pipeline.budget is None:
+        return None
+    budget = open_budget(pipeline.budget)
+    print(status_text(budget.status()).splitlines()[0], flush=True)
+    return budget
+
+
+def tune_command(args) -> int:
+    from raydp_train.train.trainer import ensure_ray
+    from raydp_train.tune import run_sweep
+
+    pipeline = load_pipeline(args.pipeline, args.overrides)
+    if pipeline.tune is None:
+        raise PipelineError(args.pipeline, [("tune: required by `raydp-train tune` (search_space, "
+                                            "num_samples, ...); see README")])
+    sweep = run_sweep(pipeline, connect=lambda: ensure_ray(args.address, num_cpus=4))
+    return 0 if sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
+
+
+def budget_status(args) -> int:
+    from raydp_train.budget_report import as_json, budget_status, status_text
+
+    status = budget_status(args.name, args.ledger)
+    print(as_json(status) if args.json else status_text(status))
+    return 0
+
+
+def budget_history(args) -> int:
+    from raydp_train.budget_report import as_json, history_text, ledger_rows
+
+    rows = ledger_rows(args.name, args.ledger)
+    print(as_json(rows) if args.json else history_text(rows))
     return 0
 
 
@@ -163,7 +225,8 @@ def _print_epoch(epochs: int):
 
 def _print_summary(result, privacy: dict, record) -> None:
     delta = privacy["delta"]
-    print(f"\ntest accuracy           {result.metrics[-1]['test_accuracy']:.4f}")
+    if result.metrics:
+        print(f"\ntest accuracy           {result.metrics[-1]['test_accuracy']:.4f}")
     print(f"trained per step        {result.trained_per_step:,} of "
           f"{result.model_parameters:,} parameters (= all-reduce size)")
     print(f"privacy spent           epsilon {privacy['epsilon']:.4f} at delta {delta:g} "

@@ -28,6 +28,9 @@ class Dataset:
     test_features: Tensor
     test_labels: Tensor
     num_classes: int
+    # Held out of training to select hyperparameters on (`data.validation`); may be empty.
+    validation_features: Tensor | None = None
+    validation_labels: Tensor | None = None
 
     @property
     def num_train(self) -> int:
@@ -49,13 +52,32 @@ def load_data(config, num_classes: int | None = None) -> Dataset:
                 f"data: {name} labels must lie in [0, {classes - 1}] for {classes} classes "
                 f"(model.num_classes), got values in [{values.min()}, {values.max()}]"
             )
-    return Dataset(
+    dataset = Dataset(
         torch.as_tensor(features, dtype=torch.float32),
         torch.as_tensor(labels, dtype=torch.int64),
         torch.as_tensor(test_features, dtype=torch.float32),
         torch.as_tensor(test_labels, dtype=torch.int64),
         classes,
     )
+    if config.validation is not None:
+        _hold_out_validation(dataset, config.validation.fraction, config.random_state)
+    return dataset
+
+
+def _hold_out_validation(dataset: Dataset, fraction: float, seed: int) -> None:
+    """Move a fixed random `fraction` of the training rows into the validation split."""
+    n = dataset.num_train
+    count = round(fraction * n)
+    if count == 0 or count == n:
+        raise DataError(
+            f"data.validation.fraction: {fraction} of {n} training rows leaves an empty split"
+        )
+    order = torch.from_numpy(np.random.default_rng(seed).permutation(n))
+    held, kept = order[:count], order[count:].sort().values
+    dataset.validation_features = dataset.train_features[held]
+    dataset.validation_labels = dataset.train_labels[held]
+    dataset.train_features = dataset.train_features[kept]
+    dataset.train_labels = dataset.train_labels[kept]
 
 
 def _split(features: np.ndarray, labels: np.ndarray, train_fraction: float, shuffle_seed=None):

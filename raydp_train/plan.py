@@ -6,9 +6,12 @@ from dataclasses import asdict, dataclass
 
 from raydp_train.privacy.accounting import (
     calibrate_noise_multiplier,
-    epsilon_spent,
+    composed_epsilon,
+    dpsgd_event,
+    gaussian_release_event,
     rough_epsilon_estimate,
 )
+from raydp_train.privacy.budget import Spend
 from raydp_train.privacy.sampling import sampling_rate, total_steps
 
 
@@ -27,18 +30,34 @@ class PrivacyPlan:
     clip_norm: float
     delta: float
     accountant: str
+    epochs: int = 1
+    # Noise on each released count of correct validation predictions (sensitivity 1), one
+    # release per epoch; 0 when nothing private is released besides the model.
+    release_noise_multiplier: float = 0.0
 
-    def epsilon(self, steps: int | None = None, accountant: str | None = None) -> float:
-        """Epsilon spent after `steps` (default: the whole run); no noise: infinite."""
+    @property
+    def releases_per_epoch(self) -> int:
+        return 1 if self.release_noise_multiplier > 0 else 0
+
+    def epsilon(
+        self, steps: int | None = None, accountant: str | None = None, releases: int | None = None
+    ) -> float:
+        """Epsilon spent after `steps` and `releases` (default: the whole run); no noise: inf."""
         if self.noise_multiplier == 0:
             return float("inf")
-        return epsilon_spent(
-            self.sampling_rate,
-            self.noise_multiplier,
-            self.steps if steps is None else steps,
-            self.delta,
-            accountant or self.accountant,
-        )
+        steps = self.steps if steps is None else steps
+        releases = self.epochs * self.releases_per_epoch if releases is None else releases
+        events = []
+        if steps:
+            events.append(dpsgd_event(self.sampling_rate, self.noise_multiplier, steps))
+        if releases:
+            events.append(gaussian_release_event(self.release_noise_multiplier, releases))
+        return composed_epsilon(events, self.delta, accountant or self.accountant) if events else 0.0
+
+    def spend(self, steps: int, releases: int) -> Spend:
+        """A budget reservation for `steps` training steps and `releases` metric releases."""
+        return Spend(self.sampling_rate, self.noise_multiplier, steps,
+                     self.release_noise_multiplier if releases else 0.0, releases)
 
     def rough_epsilon(self) -> float:
         return rough_epsilon_estimate(
@@ -64,7 +83,16 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         )
     rate = sampling_rate(training.batch_size, num_examples)
     steps = total_steps(training.epochs, training.batch_size, num_examples)
+    validation = pipeline.data.validation
+    release_sigma = 0.0
+    if validation is not None and validation.private and validation.noise_multiplier:
+        release_sigma = validation.noise_multiplier
     sigma = privacy.noise_multiplier
+    if sigma is None and release_sigma:
+        raise PlanError(
+            "privacy.target_epsilon: calibration covers the training steps only; with noisy "
+            "validation releases (data.validation.noise_multiplier) set privacy.noise_multiplier"
+        )
     if sigma is None:
         sigma = calibrate_noise_multiplier(
             privacy.target_epsilon, privacy.delta, rate, steps, privacy.accountant
@@ -79,4 +107,6 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         clip_norm=privacy.clip_norm,
         delta=privacy.delta,
         accountant=privacy.accountant,
+        epochs=training.epochs,
+        release_noise_multiplier=release_sigma,
     )

@@ -19,10 +19,10 @@ from raydp_train.pipeline import Pipeline, dump_pipeline
 from raydp_train.plan import PrivacyPlan
 
 
-def new_run_dir(pipeline: Pipeline) -> Path:
-    """`<run.output_dir>/<name>-<timestamp>` with the resolved pipeline written into it."""
+def new_run_dir(pipeline: Pipeline, kind: str = "") -> Path:
+    """`<run.output_dir>/<name>[-<kind>]-<timestamp>` with the resolved pipeline in it."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(pipeline.run.output_dir) / f"{pipeline.name}-{stamp}"
+    base = Path(pipeline.run.output_dir) / "-".join(filter(None, (pipeline.name, kind, stamp)))
     run_dir, suffix = base, 1
     while run_dir.exists():
         run_dir, suffix = base.with_name(f"{base.name}-{suffix}"), suffix + 1
@@ -31,14 +31,15 @@ def new_run_dir(pipeline: Pipeline) -> Path:
     return run_dir
 
 
-def privacy_statement(plan: PrivacyPlan, steps_charged: int, workers: int, noise_mode: str) -> dict:
+def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
     """The final (epsilon, delta) claim with everything needed to re-derive it."""
+    steps_charged, releases = result.steps_charged, result.releases_charged
     return {
-        "epsilon": plan.epsilon(steps_charged),
+        "epsilon": plan.epsilon(steps_charged, releases=releases),
         "delta": plan.delta,
         "accountant": plan.accountant,
-        "epsilon_rdp": plan.epsilon(steps_charged, "rdp"),
-        "epsilon_pld": plan.epsilon(steps_charged, "pld"),
+        "epsilon_rdp": plan.epsilon(steps_charged, "rdp", releases),
+        "epsilon_pld": plan.epsilon(steps_charged, "pld", releases),
         "rough_epsilon_estimate": plan.rough_epsilon(),
         "sampling_rate": plan.sampling_rate,
         "noise_multiplier": plan.noise_multiplier,
@@ -48,10 +49,13 @@ def privacy_statement(plan: PrivacyPlan, steps_charged: int, workers: int, noise
         "planned_steps": plan.steps,
         "expected_batch_size": plan.expected_batch_size,
         "num_examples": plan.num_examples,
+        "validation_releases": releases,  # noisy counts of correct validation predictions
+        "release_noise_multiplier": plan.release_noise_multiplier,
         "workers": workers,
         "noise": "one Gaussian draw per step on rank 0, summed by all-reduce",
-        "noise_mode": noise_mode,
-        "for_release": noise_mode == "secure",
+        "noise_mode": result.noise_mode,
+        "for_release": result.noise_mode == "secure",
+        "stop_reason": result.stop_reason,
     }
 
 

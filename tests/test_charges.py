@@ -1,23 +1,73 @@
-"""The write-ahead record of steps spent: durable, additive, and read back by a new process."""
+"""The write-ahead record of steps spent: durable, additive, and read back by a new process;
+and the run's account, which asks the global budget before recording."""
 
-from raydp_train.train.charges import ChargeLedger
+import pytest
+
+from raydp_train.plan import PrivacyPlan
+from raydp_train.privacy.budget import BudgetAccountant, BudgetTerms
+from raydp_train.train.charges import (
+    BudgetExhausted,
+    Charged,
+    ChargeLedger,
+    MemoryCharges,
+    RunAccount,
+)
 
 
 def test_charges_add_up_and_survive_a_new_ledger(tmp_path):
     first = ChargeLedger(str(tmp_path))
-    assert first.charge(10) == 10
-    assert first.charge(13) == 23
+    assert first.charge(Charged(10, 1)) == (10, 1)
+    assert first.charge(Charged(13, 1)) == (23, 2)
     # A restarted worker group opens the same run directory: nothing recorded is lost,
     # and its new charge counts once.
     restarted = ChargeLedger(str(tmp_path))
-    assert restarted.total() == 23
-    assert restarted.charge(13) == 36
-    assert ChargeLedger(str(tmp_path)).total() == 36
+    assert restarted.total() == (23, 2)
+    assert restarted.charge(Charged(13)) == (36, 2)
+    assert ChargeLedger(str(tmp_path)).total() == (36, 2)
     assert len(list((tmp_path / "charges").glob("*.json"))) == 3
 
 
 def test_an_unfinished_write_is_not_counted(tmp_path):
     ledger = ChargeLedger(str(tmp_path))
-    ledger.charge(4)
+    ledger.charge(Charged(4))
     (tmp_path / "charges" / ".partial.json.tmp").write_text('{"steps": 99}')
-    assert ChargeLedger(str(tmp_path)).total() == 4
+    assert ChargeLedger(str(tmp_path)).total() == (4, 0)
+
+
+class _InProcessBudget:
+    """The accountant called directly, as BudgetClient calls the actor."""
+
+    def __init__(self, accountant):
+        self.accountant, self.calls = accountant, 0
+
+    def reserve(self, owner, spend):
+        self.calls += 1
+        return self.accountant.reserve(f"request-{self.calls}", owner, spend)
+
+    def settle(self, decision, steps_done, releases_done=0):
+        self.calls += 1
+        return self.accountant.settle(f"request-{self.calls}", decision.reservation, steps_done,
+                                      releases_done)
+
+
+def _plan(**changes):
+    fields = {"num_examples": 1000, "expected_batch_size": 50, "sampling_rate": 0.05,
+              "steps": 100, "noise_multiplier": 1.0, "noise_calibrated": False, "clip_norm": 1.0,
+              "delta": 1e-5, "accountant": "rdp", "epochs": 5, "release_noise_multiplier": 3.0}
+    return PrivacyPlan(**{**fields, **changes})
+
+
+def test_run_account_reserves_before_recording_and_stops_when_refused(tmp_path):
+    plan = _plan()
+    one_epoch = plan.epsilon(20, releases=1)
+    accountant = BudgetAccountant(str(tmp_path), BudgetTerms("b", one_epoch * 1.1, 1e-5))
+    account = RunAccount(MemoryCharges(), _InProcessBudget(accountant), "run-1", plan)
+    assert account.charge(Charged(20, 1)) == (20, 1)
+    status = accountant.status()
+    assert status["owners"]["run-1"]["steps_reserved"] == 20
+    assert status["epsilon_counted"] == pytest.approx(one_epoch, rel=1e-9)
+    account.settle(Charged(20, 1))
+    assert accountant.status()["owners"]["run-1"]["steps_spent"] == 20
+    with pytest.raises(BudgetExhausted, match="budget exhausted"):
+        account.charge(Charged(20, 1))
+    assert account.total() == (20, 1)  # the refused epoch was never recorded

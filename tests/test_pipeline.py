@@ -94,7 +94,7 @@ MALFORMED = {
         ("training.learning_rate: unknown field; allowed fields: epochs, batch_size, "
          "max_physical_batch, optimizer, lr, momentum, weight_decay")),
     "unknown key in a union member": (
-        ["data.path=x.parquet"], "data.path: unknown field; allowed fields: source, n_samples"),
+        ["data.path=x.parquet"], "data.path: unknown field; allowed fields: source, validation, n_samples"),
     "bad accountant": (
         ["privacy.accountant=xyz"], "privacy.accountant: must be one of 'rdp', 'pld', got 'xyz'"),
     "bad data source": (

@@ -12,11 +12,16 @@ No RDP formula is written here: every epsilon comes from a dp-accounting account
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Literal
 
 import dp_accounting
 from dp_accounting import mechanism_calibration, pld, rdp
+
+# dp-accounting's RDP warns (through absl's logger) each time it drops an order whose series
+# does not converge; dropping orders only loosens the bound, which stays valid.
+logging.getLogger("absl").setLevel(logging.ERROR)
 
 Accountant = Literal["rdp", "pld"]
 
@@ -39,7 +44,31 @@ def dpsgd_event(sampling_rate: float, noise_multiplier: float, steps: int) -> dp
     )
 
 
-def _make_accountant(accountant: Accountant) -> dp_accounting.PrivacyAccountant:
+def gaussian_release_event(noise_multiplier: float, releases: int) -> dp_accounting.DpEvent:
+    """``releases`` Gaussian mechanisms of sensitivity 1 (e.g. noisy counts of correct answers)."""
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(noise_multiplier), releases
+    )
+
+
+def repeat_and_select_event(
+    trial_event: dp_accounting.DpEvent, mean_trials: float, shape: float
+) -> dp_accounting.DpEvent:
+    """A random number of trials (mean, shape; Papernot & Steinke 2022) and the best one kept."""
+    return dp_accounting.dp_event.RepeatAndSelectDpEvent(trial_event, mean_trials, shape)
+
+
+def composed_epsilon(
+    events: list[dp_accounting.DpEvent], delta: float, accountant: Accountant = "rdp"
+) -> float:
+    """Epsilon at ``delta`` of all ``events`` composed, by the chosen accountant."""
+    ledger = make_accountant(accountant)
+    ledger.compose(dp_accounting.ComposedDpEvent(list(events)))
+    return float(ledger.get_epsilon(delta))
+
+
+def make_accountant(accountant: Accountant) -> dp_accounting.PrivacyAccountant:
+    """A fresh dp-accounting accountant: ``RdpAccountant()`` or ``PLDAccountant()``."""
     if accountant == "rdp":
         return rdp.RdpAccountant()
     if accountant == "pld":
@@ -71,7 +100,7 @@ def epsilon_spent(
     _check_common(sampling_rate, delta, steps)
     if not noise_multiplier > 0.0:
         raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
-    ledger = _make_accountant(accountant)
+    ledger = make_accountant(accountant)
     if steps == 0:
         return 0.0
     event = dpsgd_event(sampling_rate, noise_multiplier, int(steps))
@@ -92,7 +121,7 @@ def calibrate_noise_multiplier(
     estimate; the result's epsilon is at most the target and within 1e-3 of it.
     """
     _check_common(sampling_rate, delta, steps)
-    _make_accountant(accountant)
+    make_accountant(accountant)
     if not target_epsilon > 0.0 or math.isinf(target_epsilon):
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon}")
     if steps == 0:
@@ -129,7 +158,7 @@ def calibrate_noise_multiplier(
                 break
 
     sigma = mechanism_calibration.calibrate_dp_mechanism(
-        make_fresh_accountant=lambda: _make_accountant(accountant),
+        make_fresh_accountant=lambda: make_accountant(accountant),
         make_event_from_param=lambda s: dpsgd_event(sampling_rate, s, int(steps)),
         target_epsilon=target_epsilon,
         target_delta=delta,

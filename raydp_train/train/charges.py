@@ -1,9 +1,13 @@
-"""The run's write-ahead record of privacy spent: steps are charged BEFORE they run.
+"""Write-ahead privacy charges: an epoch's steps (and its noisy metric release) are on record
+BEFORE they run.
 
-One small immutable JSON file per charge under `<run_dir>/charges/`, written to a temporary
-name and renamed, through pyarrow's filesystem layer (a local directory or a URI such as
-s3://...). A crash never loses a charge: a worker group that restarts from a checkpoint
-charges the repeated steps again, so epsilon counts every step that was ever run.
+`ChargeLedger` is the run's own record: one small immutable JSON file per charge under
+`<run_dir>/charges/`, written to a temporary name and renamed, through pyarrow's filesystem
+layer (a local directory or a URI such as s3://...). A worker group that restarts from a
+checkpoint charges the repeated steps again, so epsilon counts every step that was ever run.
+
+`RunAccount` adds the global budget in front of it: the budget's accountant must grant an
+epoch before the run records it; a refusal stops the run cleanly ("budget exhausted").
 """
 
 from __future__ import annotations
@@ -11,44 +15,97 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from pathlib import Path
+from typing import NamedTuple
 
 from pyarrow import fs
+
+from raydp_train.privacy.ledger import as_uri
+
+
+class Charged(NamedTuple):
+    steps: int = 0
+    releases: int = 0  # noisy validation-metric releases
+
+    def __add__(self, other: Charged) -> Charged:
+        return Charged(self.steps + other.steps, self.releases + other.releases)
+
+
+class BudgetExhausted(RuntimeError):
+    """The global budget refused the next epoch; the message is the accountant's reason."""
 
 
 class ChargeLedger:
     def __init__(self, run_dir: str):
-        self.filesystem, root = fs.FileSystem.from_uri(_as_uri(run_dir))
+        self.filesystem, root = fs.FileSystem.from_uri(as_uri(run_dir))
         self.directory = f"{root.rstrip('/')}/charges"
         self.filesystem.create_dir(self.directory, recursive=True)
-        self._total: int | None = None  # read from the files once, then kept up to date
+        self._total: Charged | None = None  # read from the files once, then kept up to date
 
-    def charge(self, steps: int) -> int:
-        """Durably record `steps` as spent; returns the total charged by the run so far."""
+    def charge(self, charge: Charged) -> Charged:
+        """Durably record `charge` as spent; returns the total charged by the run so far."""
         before = self.total()  # read before writing, so the new charge counts once
         name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
         temporary, final = f"{self.directory}/.{name}.tmp", f"{self.directory}/{name}"
+        record = {"steps": charge.steps, "releases": charge.releases, "time": time.time()}
         with self.filesystem.open_output_stream(temporary) as stream:
-            stream.write(json.dumps({"steps": steps, "time": time.time()}).encode())
+            stream.write(json.dumps(record).encode())
         self.filesystem.move(temporary, final)
-        self._total = before + steps
+        self._total = before + charge
         return self._total
 
-    def total(self) -> int:
+    def total(self) -> Charged:
         """Every charge on record, earlier attempts of the run included."""
         if self._total is None:
             self._total = self._read_total()
         return self._total
 
-    def _read_total(self) -> int:
+    def _read_total(self) -> Charged:
         selector = fs.FileSelector(self.directory, allow_not_found=True)
-        total = 0
+        total = Charged()
         for info in self.filesystem.get_file_info(selector):
             if info.base_name.endswith(".json") and not info.base_name.startswith("."):
                 with self.filesystem.open_input_stream(info.path) as stream:
-                    total += json.loads(stream.read())["steps"]
+                    record = json.loads(stream.read())
+                total += Charged(record["steps"], record.get("releases", 0))
         return total
 
 
-def _as_uri(path: str) -> str:
-    return path if "://" in path else Path(path).resolve().as_uri()
+class MemoryCharges:
+    """The charges of an in-process run (world size 1, no run directory)."""
+
+    def __init__(self):
+        self._total = Charged()
+
+    def charge(self, charge: Charged) -> Charged:
+        self._total += charge
+        return self._total
+
+    def total(self) -> Charged:
+        return self._total
+
+
+class RunAccount:
+    """Where one run's privacy goes: the global budget (if any) grants, the record keeps."""
+
+    def __init__(self, record: ChargeLedger | MemoryCharges, budget=None, owner: str = "",
+                 plan=None):
+        self.record, self.budget, self.owner, self.plan = record, budget, owner, plan
+        self._open = None  # the budget's grant for the epoch being run
+
+    def charge(self, charge: Charged) -> Charged:
+        """Reserve `charge` from the budget, then record it; raises BudgetExhausted."""
+        if self.budget is not None:
+            decision = self.budget.reserve(self.owner, self.plan.spend(*charge))
+            if not decision.granted:
+                raise BudgetExhausted(decision.reason)
+            self._open = decision
+        return self.record.charge(charge)
+
+    def settle(self, used: Charged) -> None:
+        """Tell the budget what the granted epoch used (all of it, unless it stopped early)."""
+        if self._open is not None:
+            self.budget.settle(self._open, used.steps, used.releases)
+            self._open = None
+
+    def total(self) -> Charged:
+        return self.record.total()

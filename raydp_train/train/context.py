@@ -14,17 +14,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from raydp_train.train.charges import ChargeLedger
+from raydp_train.train.charges import BudgetExhausted, Charged, MemoryCharges, RunAccount
 
 
 class LocalContext:
-    """World size 1 in this process: no collectives, no checkpoints, charges kept in memory."""
+    """World size 1 in this process: no collectives, no checkpoints, charges kept in memory
+    (and spent from the global budget when `account` has one)."""
 
     rank, world_size = 0, 1
 
-    def __init__(self, on_epoch=print):
+    def __init__(self, on_epoch=print, account: RunAccount | None = None):
         self.on_epoch = on_epoch
-        self._charged = 0
+        self.account = account or RunAccount(MemoryCharges())
         self.device = torch.device("cpu")
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
@@ -36,13 +37,15 @@ class LocalContext:
     def gather(self, value) -> list:
         return [value]
 
-    def charge(self, steps: int) -> int:
-        """Record `steps` as spent BEFORE running them; return the total charged so far."""
-        self._charged += steps
-        return self._charged
+    def charge(self, charge: Charged) -> Charged:
+        """Record `charge` as spent BEFORE running it; the total so far, or BudgetExhausted."""
+        return self.account.charge(charge)
 
-    def charged(self) -> int:
-        return self._charged
+    def settle(self, used: Charged) -> None:
+        self.account.settle(used)
+
+    def charged(self) -> Charged:
+        return self.account.total()
 
     def restore(self) -> dict | None:
         return None
@@ -57,14 +60,14 @@ class LocalContext:
 class RayTrainContext:
     """One rank of a Ray Train worker group (torch.distributed is set up by TorchTrainer)."""
 
-    def __init__(self, progress_queue, ledger: ChargeLedger, run_dir: str):
+    def __init__(self, progress_queue, account: RunAccount, run_dir: str):
         import ray.train
         import ray.train.torch
 
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.device = ray.train.torch.get_device()
-        self.progress_queue, self.ledger, self.run_dir = progress_queue, ledger, run_dir
+        self.progress_queue, self.account, self.run_dir = progress_queue, account, run_dir
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         # One collective per logical step, issued by every rank even on an empty sample.
@@ -80,13 +83,25 @@ class RayTrainContext:
         torch.distributed.all_gather_object(values, value)
         return values
 
-    def charge(self, steps: int) -> int:
-        total = self.ledger.charge(steps) if self.rank == 0 else 0
-        # Every rank waits until rank 0 has durably recorded the charge.
-        return self.gather(total)[0]
+    def charge(self, charge: Charged) -> Charged:
+        """Rank 0 reserves and records; every rank waits for its answer and obeys it."""
+        answer = None
+        if self.rank == 0:
+            try:
+                answer = self.account.charge(charge)
+            except BudgetExhausted as refusal:
+                answer = str(refusal)
+        answer = self.gather(answer)[0]
+        if isinstance(answer, str):
+            raise BudgetExhausted(answer)
+        return Charged(*answer)
 
-    def charged(self) -> int:
-        return self.gather(self.ledger.total() if self.rank == 0 else 0)[0]
+    def settle(self, used: Charged) -> None:
+        if self.rank == 0:
+            self.account.settle(used)
+
+    def charged(self) -> Charged:
+        return Charged(*self.gather(self.account.total() if self.rank == 0 else None)[0])
 
     def restore(self) -> dict | None:
         import ray.train

@@ -13,9 +13,10 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
+from raydp_train.budget_actor import BudgetClient
 from raydp_train.pipeline import Pipeline, pipeline_from_dict
 from raydp_train.plan import PrivacyPlan
-from raydp_train.train.charges import ChargeLedger
+from raydp_train.train.charges import ChargeLedger, RunAccount
 from raydp_train.train.context import RayTrainContext
 from raydp_train.train.worker import TrainResult, train
 
@@ -41,9 +42,13 @@ def fit(
     run_dir: Path,
     on_epoch: Callable[[dict], None] = print,
     fail_at_step: int | None = None,
+    budget: BudgetClient | None = None,
+    owner: str = "",
+    callbacks: list | None = None,
 ) -> TrainResult:
     """Train on Ray Train with `training.workers` workers; resumes if `run_dir` has a checkpoint.
 
+    With `budget`, rank 0 reserves each epoch from that global budget as `owner`.
     `fail_at_step` makes the last rank raise once at that step (tests of restarts).
     """
     run_dir = Path(run_dir).resolve()
@@ -54,6 +59,8 @@ def fit(
         "run_dir": str(run_dir),
         "progress": progress,
         "fail_at_step": fail_at_step,
+        "budget": budget,
+        "owner": owner or run_dir.name,
     }
     trainer = TorchTrainer(
         _train_loop_per_worker,
@@ -68,6 +75,7 @@ def fit(
                 max_failures=pipeline.run.max_failures, controller_failure_limit=3
             ),
             checkpoint_config=CheckpointConfig(),
+            callbacks=callbacks,
         ),
     )
     stop = threading.Event()
@@ -98,7 +106,8 @@ def _print_progress(progress: Queue, on_epoch, stop: threading.Event) -> None:
 def _train_loop_per_worker(config: dict) -> TrainResult:
     pipeline = pipeline_from_dict(config["pipeline"])
     plan = PrivacyPlan(**config["plan"])
-    context = RayTrainContext(config["progress"], ChargeLedger(config["run_dir"]), config["run_dir"])
+    account = RunAccount(ChargeLedger(config["run_dir"]), config["budget"], config["owner"], plan)
+    context = RayTrainContext(config["progress"], account, config["run_dir"])
     result = train(pipeline, plan, context, config["fail_at_step"])
     result.model = result.model.cpu()
     return result

@@ -18,6 +18,7 @@ from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.lsg import LowRankSparseGradients
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
+from raydp_train.train.charges import BudgetExhausted, Charged
 from raydp_train.train.context import parameter_checksum
 from raydp_train.train.step import cross_entropy_loss, private_step
 
@@ -31,6 +32,8 @@ class TrainResult:
     noise_mode: str = "secure"
     steps_done: int = 0  # steps of the finished run
     steps_charged: int = 0  # steps charged to the privacy account, restarts included
+    releases_charged: int = 0  # noisy validation-metric releases charged
+    stop_reason: str = "completed"  # or "budget exhausted: <the accountant's reason>"
     checksums: list[str] = field(default_factory=list)  # one per rank: all equal
     # Numbers trained (= all-reduced) per step: LSG's kept carrier entries + other params.
     trained_per_step: int = 0
@@ -96,8 +99,14 @@ def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None)
     ends = epoch_ends(training.epochs, plan.expected_batch_size, plan.num_examples)
     started = time.monotonic()
     for epoch in range(first_epoch, len(ends) + 1):
-        # Write-ahead: the epoch's steps are on record before any noisy gradient exists.
-        charged = context.charge(ends[epoch - 1] - step)
+        # Write-ahead: the epoch's steps are granted and on record before any noisy gradient
+        # exists. A refusal from the global budget stops the run at the last checkpoint.
+        epoch_charge = Charged(ends[epoch - 1] - step, plan.releases_per_epoch)
+        try:
+            charged = context.charge(epoch_charge)
+        except BudgetExhausted as refusal:
+            result.stop_reason = f"budget exhausted: {refusal}"
+            break
         model.train()
         loss_sum, seen = 0.0, 0
         while step < ends[epoch - 1]:
@@ -121,19 +130,24 @@ def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None)
         row = {
             "epoch": epoch,
             "steps": step,
-            "steps_charged": charged,
+            "steps_charged": charged.steps,
             "examples_seen": int(totals[1]),
             "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
             "test_accuracy": accuracy(model, dataset.test_features, dataset.test_labels),
-            "epsilon": plan.epsilon(charged),
+            "epsilon": plan.epsilon(charged.steps, releases=charged.releases),
             "elapsed_s": time.monotonic() - started,
         }
+        if dataset.validation_labels is not None:
+            row["validation_accuracy"] = context.gather(
+                released_accuracy(model, dataset, plan, noise_generator))[0]
+        context.settle(epoch_charge)
         result.metrics.append(row)
         context.report(row, _checkpoint_state(model, optimizer, epoch, step, result.metrics))
     trained = clipper.flat_grad if lsg is None else clipper.flat_grad[lsg.kept]
     result.final_step_sum_std = trained.std().item() * plan.expected_batch_size
     clipper.close()
-    result.steps_done, result.steps_charged = step, context.charged()
+    charged = context.charged()
+    result.steps_done, result.steps_charged, result.releases_charged = step, *charged
     result.trained_per_step = int(lsg.kept.sum()) if lsg is not None else clipper.num_parameters
     result.model_parameters = sum(p.numel() for p in model.parameters())
     result.checksums = context.gather(parameter_checksum(model))
@@ -148,6 +162,18 @@ def _checkpoint_state(model, optimizer, epoch: int, step: int, metrics: list[dic
         "step": step,
         "metrics": list(metrics),
     }
+
+
+def released_accuracy(model: nn.Module, dataset, plan: PrivacyPlan, noise_generator) -> float:
+    """Validation accuracy as released: (correct + N(0, sigma_r^2)) / n when the rows are
+    private and a release noise is set (a count changes by at most 1 per example)."""
+    features, labels = dataset.validation_features, dataset.validation_labels
+    correct = accuracy(model, features, labels) * len(labels)
+    if plan.release_noise_multiplier > 0:
+        noise = torch.empty(1, device=noise_generator.device)
+        noise.normal_(0.0, plan.release_noise_multiplier, generator=noise_generator)
+        correct += noise.item()
+    return correct / len(labels)
 
 
 @torch.no_grad()

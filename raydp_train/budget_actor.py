@@ -1,0 +1,75 @@
+"""The budget accountant on Ray: found or created by name, restarted from its ledger.
+
+The actor is created from the driver (an actor created inside a Tune trial dies with the
+trial), one per budget name in the "raydp_train" namespace. `max_restarts=-1` brings it back
+after a crash with its state read from the ledger, and `max_task_retries=-1` re-sends calls
+that were in flight; `reserve` and `settle` carry a request id so a re-sent call is answered,
+not done twice. Workers hold a `BudgetClient`, which finds the actor by name.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import ray
+
+from raydp_train.privacy.budget import NAMESPACE, BudgetAccountant, BudgetTerms, Decision, Spend
+from raydp_train.privacy.ledger import as_uri
+
+# Every handle this driver opened. A non-detached actor lives while the handle that created it
+# lives; a handle found by name does not keep it alive, so none is ever dropped here.
+_OPENED: list = []
+
+
+def actor_name(budget: str) -> str:
+    return f"budget:{budget}"
+
+
+def budget_terms(config) -> BudgetTerms:
+    """The terms a pipeline's `budget` section asks for."""
+    return BudgetTerms(config.name, config.epsilon, config.delta, config.accountant)
+
+
+def open_budget(config) -> BudgetClient:
+    """Find or create the accountant of `config` (a pipeline's budget section) and check that
+    its terms and ledger are the ones asked for. Call from the driver."""
+    ledger_root = as_uri(config.ledger)
+    options = {
+        "name": actor_name(config.name),
+        "namespace": NAMESPACE,
+        "get_if_exists": True,
+        "max_restarts": -1,
+        "max_task_retries": -1,
+        "num_cpus": 0,
+    }
+    if config.persist_across_jobs:
+        options["lifetime"] = "detached"
+    actor = ray.remote(BudgetAccountant).options(**options).remote(ledger_root, budget_terms(config))
+    ray.get(actor.check_terms.remote(budget_terms(config), ledger_root))
+    _OPENED.append(actor)
+    return BudgetClient(config.name)
+
+
+@dataclass(frozen=True)
+class BudgetClient:
+    """A handle for spending from a budget; pickles by name, so it travels to workers."""
+
+    budget: str
+
+    def reserve(self, owner: str, spend: Spend) -> Decision:
+        return ray.get(self._actor().reserve.remote(uuid.uuid4().hex, owner, spend))
+
+    def settle(self, decision: Decision, steps_done: int, releases_done: int = 0) -> int:
+        """Close a granted reservation; returns the steps given back to the budget."""
+        return ray.get(self._actor().settle.remote(
+            uuid.uuid4().hex, decision.reservation, steps_done, releases_done))
+
+    def status(self) -> dict:
+        return ray.get(self._actor().status.remote())
+
+    def epsilon_of(self, owner_prefix: str) -> float:
+        return ray.get(self._actor().epsilon_of.remote(owner_prefix))
+
+    def _actor(self):
+        return ray.get_actor(actor_name(self.budget), namespace=NAMESPACE)

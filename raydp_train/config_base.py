@@ -1,0 +1,44 @@
+"""Building blocks of the config schema: the strict section base class and shared checks."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+
+from raydp_train.config_errors import FieldProblem, show
+
+
+class Section(BaseModel):
+    # A typo in a key must fail loudly, not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans(cls, raw: Any) -> Any:
+        # Pydantic would quietly read `epochs: yes` as 1: only bool fields take booleans.
+        for key, value in raw.items() if isinstance(raw, dict) else ():
+            field = cls.model_fields.get(key)
+            if isinstance(value, bool) and field is not None and field.annotation is not bool:
+                raise FieldProblem(f"must not be a boolean, got {show(value)} "
+                                    "(YAML reads yes/no/on/off as true/false)", key)
+        return raw
+
+
+def exactly_one(section: BaseModel, a: str, b: str, field: str | None) -> None:
+    n_set = sum(getattr(section, k) is not None for k in (a, b))
+    if n_set != 1:
+        got = "both" if n_set == 2 else "neither"
+        raise FieldProblem(f"set exactly one of {a} or {b} (got {got})", field)
+
+
+def _safe_name(value: str) -> str:
+    # Names become directories, Ray job names and actor names.
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+        raise FieldProblem(f"may contain only letters, digits, '_', '.' and '-', got {value!r}")
+    return value
+
+
+SafeName = Annotated[str, AfterValidator(_safe_name)]
+

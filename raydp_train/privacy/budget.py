@@ -1,0 +1,353 @@
+"""The global privacy budget (DESIGN §2.6): one central accountant per budget name.
+
+`BudgetBook` is the bookkeeping, free of Ray: which reservations exist, what each counts, and
+whether one more fits. Everything counted (settled steps, plus open reservations in full) is
+composed by dp-accounting and must stay within the budget's (epsilon, delta).
+
+`BudgetAccountant` is the Ray actor around a book and its ledger. It runs one call at a time,
+so deciding and recording a reservation is atomic, and it writes each change to the ledger
+BEFORE answering (write-ahead). A restarted actor rebuilds the book from the ledger alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+
+import dp_accounting
+
+from raydp_train.privacy.accounting import (
+    composed_epsilon,
+    dpsgd_event,
+    gaussian_release_event,
+    make_accountant,
+    repeat_and_select_event,
+)
+from raydp_train.privacy.ledger import BudgetLedger, LedgerCorruptError, LedgerError
+
+NAMESPACE = "raydp_train"
+# Recomputing the ledger's events after a restart must give the epsilon it recorded.
+_REPLAY_RELATIVE_TOLERANCE = 1e-6
+
+
+class BudgetError(RuntimeError):
+    """A budget request that cannot be served (bad terms, bad request, unusable ledger)."""
+
+
+@dataclass(frozen=True)
+class BudgetTerms:
+    """Fixed when the budget is first opened; every later user must ask for the same."""
+
+    name: str
+    epsilon: float
+    delta: float
+    accountant: str = "rdp"
+
+
+@dataclass(frozen=True)
+class Spend:
+    """What one reservation counts: DP-SGD steps (q, sigma), noisy metric releases of
+    sensitivity 1, and for a random-stopping sweep the whole repeat-and-select event."""
+
+    sampling_rate: float
+    noise_multiplier: float
+    steps: int
+    release_noise_multiplier: float = 0.0
+    releases: int = 0
+    mechanism: str = "dpsgd"  # dpsgd | random_stopping
+    mean_trials: float = 0.0
+    shape: float = 0.0
+
+    def dp_event(self) -> dp_accounting.DpEvent:
+        parts = []
+        if self.steps:
+            parts.append(dpsgd_event(self.sampling_rate, self.noise_multiplier, self.steps))
+        if self.releases:
+            parts.append(gaussian_release_event(self.release_noise_multiplier, self.releases))
+        event = parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
+        if self.mechanism == "random_stopping":
+            event = repeat_and_select_event(event, self.mean_trials, self.shape)
+        return event
+
+    def check(self) -> None:
+        problems = []
+        if not 0 < self.sampling_rate <= 1:
+            problems.append(f"sampling_rate must be in (0, 1], got {self.sampling_rate}")
+        if not self.noise_multiplier > 0:
+            problems.append(f"noise_multiplier must be > 0, got {self.noise_multiplier}")
+        if self.steps < 0 or self.releases < 0 or self.steps + self.releases == 0:
+            problems.append(f"asks for nothing: steps={self.steps}, releases={self.releases}")
+        if self.releases and not self.release_noise_multiplier > 0:
+            problems.append("releases need release_noise_multiplier > 0")
+        if self.mechanism not in ("dpsgd", "random_stopping"):
+            problems.append(f"mechanism must be dpsgd or random_stopping, got {self.mechanism}")
+        if problems:
+            raise BudgetError("invalid reservation: " + "; ".join(problems))
+
+    def describe(self) -> str:
+        text = f"{self.steps} steps at q={self.sampling_rate:.4g}, sigma={self.noise_multiplier:.4g}"
+        if self.releases:
+            text += f" + {self.releases} releases at sigma={self.release_noise_multiplier:.4g}"
+        if self.mechanism == "random_stopping":
+            text = (f"a random-stopping sweep (mean {self.mean_trials:g} trials, shape "
+                    f"{self.shape:g}) of {text} each")
+        return text
+
+
+@dataclass(frozen=True)
+class Decision:
+    granted: bool
+    reservation: str  # id to settle with; empty when refused
+    owner: str
+    epsilon_after: float  # everything counted, with this reservation (granted or not)
+    budget_epsilon: float
+    reason: str = ""
+
+
+@dataclass
+class _Reservation:
+    owner: str
+    spend: Spend
+    settled: Spend | None = None  # what was actually used, once settled
+
+    @property
+    def counted(self) -> Spend:
+        return self.settled or self.spend
+
+
+class BudgetBook:
+    """The budget's state as a pure function of its ledger rows.
+
+    `propose` and `settle_row` compute the row (and the accountant of the state it leads to);
+    `apply` takes a written row in. Replaying a ledger applies rows without accountants and
+    composes what is counted once at the end.
+    """
+
+    def __init__(self, terms: BudgetTerms):
+        self.terms = terms
+        self.reservations: dict[str, _Reservation] = {}
+        self.answers: dict[str, dict] = {}  # request id -> the row that answered it
+        self.next_seq = 0
+        self.epsilon = 0.0  # of everything counted, as recorded by the last row
+        self._accountant = make_accountant(terms.accountant)
+        self._stale = False  # the accountant must be recomposed from the reservations
+
+    def open_row(self) -> dict:
+        return self._row("open", "", "", "", None, running_epsilon=0.0)
+
+    def propose(self, request_id: str, owner: str, spend: Spend):
+        """Decide a reservation: (decision, ledger row or None, accountant after granting)."""
+        spend.check()
+        candidate = copy.deepcopy(self._counted())
+        candidate.compose(spend.dp_event())
+        epsilon_after = float(candidate.get_epsilon(self.terms.delta))
+        if epsilon_after > self.terms.epsilon:
+            remaining = max(self.terms.epsilon - self.epsilon, 0.0)
+            reason = (f"budget exhausted: '{self.terms.name}' has epsilon {remaining:.4g} of "
+                      f"{self.terms.epsilon:g} left (delta {self.terms.delta:g}); {owner} asked "
+                      f"for {spend.describe()}, which would bring it to {epsilon_after:.4g}")
+            return Decision(False, "", owner, epsilon_after, self.terms.epsilon, reason), None, None
+        reservation = uuid.uuid4().hex
+        row = self._row("reserve", request_id, owner, reservation, spend, epsilon_after)
+        return decision_of(row), row, candidate
+
+    def settle_row(self, request_id: str, reservation: str, steps_done: int, releases_done: int):
+        """The row closing `reservation` with what was used, and the accountant after it."""
+        held = self.reservations.get(reservation)
+        if held is None:
+            raise BudgetError(f"settle: no reservation {reservation!r} in '{self.terms.name}'")
+        if held.settled is not None:
+            raise BudgetError(f"settle: reservation {reservation!r} is already settled")
+        if not (0 <= steps_done <= held.spend.steps and 0 <= releases_done <= held.spend.releases):
+            raise BudgetError(
+                f"settle: {steps_done} steps / {releases_done} releases done do not fit "
+                f"reservation {reservation!r} of {held.spend.describe()}")
+        used = replace(held.spend, steps=steps_done, releases=releases_done)
+        if held.spend.mechanism == "random_stopping":
+            used = held.spend  # the sweep's cost does not depend on how far its trials got
+        accountant = self._counted()
+        if used != held.spend:  # unused steps return: recompose what stays counted
+            held.settled = used
+            accountant = self._compose_counted()
+            held.settled = None
+        epsilon = float(accountant.get_epsilon(self.terms.delta))
+        return self._row("settle", request_id, held.owner, reservation, used, epsilon), accountant
+
+    def apply(self, row: dict, accountant=None) -> None:
+        """Take a written row into the state; `accountant` is the one of the state after it."""
+        self.next_seq = row["seq"] + 1
+        if row["kind"] == "reserve":
+            self.reservations[row["reservation"]] = _Reservation(row["owner"], _spend_of(row))
+        elif row["kind"] == "settle":
+            self.reservations[row["reservation"]].settled = _spend_of(row)
+        if row["request_id"]:
+            self.answers[row["request_id"]] = row
+        self.epsilon = row["running_epsilon"]
+        if row["kind"] != "open":
+            self._stale = accountant is None
+            self._accountant = accountant if accountant is not None else self._accountant
+
+    def recomposed_epsilon(self) -> float:
+        return float(self._counted().get_epsilon(self.terms.delta))
+
+    def status(self) -> dict:
+        owners: dict[str, dict] = {}
+        for held in self.reservations.values():
+            entry = owners.setdefault(held.owner, {"steps_spent": 0, "steps_reserved": 0,
+                                                   "releases": 0, "open_reservations": 0})
+            if held.settled is None:
+                entry["steps_reserved"] += held.spend.steps
+                entry["open_reservations"] += 1
+            else:
+                entry["steps_spent"] += held.settled.steps
+            entry["releases"] += held.counted.releases
+        return {
+            **asdict(self.terms),
+            "epsilon_counted": self.epsilon,
+            "epsilon_remaining": max(self.terms.epsilon - self.epsilon, 0.0),
+            "steps_spent": sum(o["steps_spent"] for o in owners.values()),
+            "steps_reserved": sum(o["steps_reserved"] for o in owners.values()),
+            "owners": owners,
+        }
+
+    def epsilon_of(self, owner_prefix: str) -> float:
+        """Epsilon of what the owners starting with `owner_prefix` count (e.g. one sweep)."""
+        events = [h.counted.dp_event() for h in self.reservations.values()
+                  if h.owner.startswith(owner_prefix)]
+        return composed_epsilon(events, self.terms.delta, self.terms.accountant) if events else 0.0
+
+    def _counted(self):
+        if self._stale:
+            self._accountant, self._stale = self._compose_counted(), False
+        return self._accountant
+
+    def _compose_counted(self):
+        """Everything counted, merged by identical mechanism (T1 + T2 steps compose as one)."""
+        merged: dict[tuple, Spend] = {}
+        for number, held in enumerate(self.reservations.values()):
+            spend = held.counted
+            if spend.mechanism == "random_stopping":
+                merged[("random_stopping", number)] = spend  # each sweep is its own event
+                continue
+            key = ("dpsgd", spend.sampling_rate, spend.noise_multiplier,
+                   spend.release_noise_multiplier)
+            if key in merged:
+                spend = replace(spend, steps=spend.steps + merged[key].steps,
+                                releases=spend.releases + merged[key].releases)
+            merged[key] = spend
+        accountant = make_accountant(self.terms.accountant)
+        for key in sorted(merged, key=str):
+            if merged[key].steps or merged[key].releases:
+                accountant.compose(merged[key].dp_event())
+        return accountant
+
+    def _row(self, kind, request_id, owner, reservation, spend, running_epsilon) -> dict:
+        spend_fields = asdict(spend if spend is not None else Spend(1.0, 1.0, 0))
+        return {"seq": self.next_seq, "budget": self.terms.name, "kind": kind,
+                "request_id": request_id, "owner": owner, "reservation": reservation,
+                **spend_fields, "budget_epsilon": self.terms.epsilon,
+                "budget_delta": self.terms.delta, "accountant": self.terms.accountant,
+                "timestamp": time.time(), "running_epsilon": running_epsilon}
+
+
+def decision_of(row: dict) -> Decision:
+    """The grant a reserve row records (a retried request gets the same answer)."""
+    return Decision(True, row["reservation"], row["owner"], row["running_epsilon"],
+                    row["budget_epsilon"])
+
+
+def _spend_of(row: dict) -> Spend:
+    return Spend(**{name: row[name] for name in Spend.__dataclass_fields__})
+
+
+def replay(rows: list[dict], terms: BudgetTerms | None = None) -> BudgetBook:
+    """Rebuild a book from ledger rows (its terms are those of the first row; `terms` for an
+    empty ledger), checking every row's terms and the recorded epsilon."""
+    if rows:
+        first = rows[0]
+        terms = BudgetTerms(first["budget"], first["budget_epsilon"], first["budget_delta"],
+                            first["accountant"])
+    book = BudgetBook(terms)
+    for row in rows:
+        if (row["budget"], row["budget_epsilon"], row["budget_delta"], row["accountant"]) != (
+                terms.name, terms.epsilon, terms.delta, terms.accountant):
+            raise LedgerCorruptError(f"ledger fragment {row['fragment']} has other budget terms")
+        book.apply(row)
+    recomputed = book.recomposed_epsilon()
+    if not math.isclose(recomputed, book.epsilon, rel_tol=_REPLAY_RELATIVE_TOLERANCE,
+                        abs_tol=1e-12):
+        raise LedgerCorruptError(
+            f"ledger of '{terms.name}': its events compose to epsilon {recomputed:.6g}, but the "
+            f"last fragment ({rows[-1]['fragment']}) recorded {book.epsilon:.6g}")
+    return book
+
+
+class BudgetAccountant:
+    """The central accountant: run as a Ray actor (one call at a time) by `budget_actor`.
+
+    A ledger that cannot be read is not worked around: every call raises its error.
+    """
+
+    def __init__(self, ledger_root: str, terms: BudgetTerms):
+        self.ledger_root = ledger_root
+        self._broken: LedgerError | None = None
+        try:
+            self.ledger = BudgetLedger(ledger_root, terms.name)
+            rows = self.ledger.rows()
+            self.book = replay(rows, terms)
+            if not rows:  # a new budget: its terms are fixed by its first row
+                self._write(self.book.open_row())
+        except LedgerError as error:
+            self._broken = error
+
+    def check_terms(self, terms: BudgetTerms, ledger_root: str) -> dict:
+        """Refuse a user whose pipeline asks for other terms or another ledger."""
+        self._usable()
+        if terms != self.book.terms:
+            raise BudgetError(
+                f"budget '{terms.name}' was created with epsilon={self.book.terms.epsilon:g}, "
+                f"delta={self.book.terms.delta:g}, accountant={self.book.terms.accountant}; "
+                f"this pipeline asks for epsilon={terms.epsilon:g}, delta={terms.delta:g}, "
+                f"accountant={terms.accountant}. A budget's terms never change: use these "
+                "values or another budget name")
+        if ledger_root != self.ledger_root:
+            raise BudgetError(f"budget '{terms.name}' keeps its ledger at {self.ledger_root}, "
+                              f"not {ledger_root}")
+        return self.book.status()
+
+    def reserve(self, request_id: str, owner: str, spend: Spend) -> Decision:
+        self._usable()
+        if request_id in self.book.answers:  # a retried call: answer it again
+            return decision_of(self.book.answers[request_id])
+        decision, row, accountant = self.book.propose(request_id, owner, spend)
+        if row is not None:
+            self._write(row, accountant)  # durable BEFORE the grant leaves this actor
+        return decision
+
+    def settle(self, request_id: str, reservation: str, steps_done: int,
+               releases_done: int = 0) -> int:
+        """Close a reservation with what was used; returns the steps given back."""
+        self._usable()
+        if request_id not in self.book.answers:
+            self._write(*self.book.settle_row(request_id, reservation, steps_done, releases_done))
+        row = self.book.answers[request_id]
+        return self.book.reservations[reservation].spend.steps - row["steps"]
+
+    def status(self) -> dict:
+        self._usable()
+        return self.book.status()
+
+    def epsilon_of(self, owner_prefix: str) -> float:
+        self._usable()
+        return self.book.epsilon_of(owner_prefix)
+
+    def _write(self, row: dict, accountant=None) -> None:
+        self.ledger.append(row)
+        self.book.apply(row, accountant)
+
+    def _usable(self) -> None:
+        if self._broken is not None:
+            raise self._broken

@@ -1,0 +1,125 @@
+"""The `budget` and `tune` sections of a pipeline: the global budget and the sweep over it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from raydp_train.config_base import SafeName, Section
+from raydp_train.config_errors import FieldProblem, show
+
+# --- budget and tune --------------------------------------------------------------------------
+
+
+class BudgetConfig(Section):
+    """The global privacy budget every run and trial of this name spends from (DESIGN §2.6)."""
+
+    name: SafeName
+    epsilon: float = Field(gt=0)
+    delta: float = Field(gt=0, lt=1)
+    accountant: Literal["rdp", "pld"] = "rdp"
+    ledger: str = Field("budgets", min_length=1)  # directory or URI (s3://...) of the ledger
+    persist_across_jobs: bool = False  # a detached accountant actor that outlives the job
+
+
+SEARCHABLE = (
+    "privacy.noise_multiplier", "privacy.clip_norm", "privacy.lsg.rank", "privacy.lsg.sparsity",
+    "training.lr",
+)
+
+
+class SearchDimension(Section):
+    """One searched field: exactly one of `choice` / `grid` (values) or `uniform` /
+    `loguniform` ([low, high])."""
+
+    choice: list[float] | None = Field(None, min_length=1)
+    grid: list[float] | None = Field(None, min_length=1)
+    uniform: tuple[float, float] | None = None
+    loguniform: tuple[float, float] | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> SearchDimension:
+        kinds = [k for k in type(self).model_fields if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise FieldProblem(f"set exactly one of choice, grid, uniform, loguniform (got "
+                               f"{', '.join(kinds) or 'none'})")
+        for kind in ("uniform", "loguniform"):
+            bounds = getattr(self, kind)
+            if bounds is not None and not 0 < bounds[0] < bounds[1]:
+                raise FieldProblem(f"must be [low, high] with 0 < low < high, got "
+                                   f"{list(bounds)}", kind)
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in type(self).model_fields if getattr(self, k) is not None)
+
+    def values(self) -> list[float]:
+        """The extreme values a trial can get: every listed value, or both range ends."""
+        return list(getattr(self, self.kind))
+
+
+class AshaConfig(Section):
+    grace_period: int = Field(1, ge=1)  # epochs before a trial may be stopped
+    reduction_factor: float = Field(2.0, gt=1)
+
+
+class RandomStopping(Section):
+    """Papernot & Steinke (2022): the number of trials is random, so selection costs little."""
+
+    mean_trials: float = Field(ge=1)
+    # 0 logarithmic, 1 geometric, other > 0 truncated negative binomial, "inf" Poisson
+    shape: float | Literal["inf"] = 1.0
+
+    @field_validator("shape")
+    @classmethod
+    def _non_negative(cls, value: float | str) -> float | str:
+        if value != "inf" and value < 0:
+            raise FieldProblem(f"must be >= 0 or 'inf', got {show(value)}")
+        return value
+
+    @property
+    def shape_value(self) -> float:
+        return float(self.shape)
+
+
+class TuneConfig(Section):
+    search_space: dict[str, SearchDimension] = Field(min_length=1)
+    num_samples: int = Field(4, ge=1)  # trials (per grid point); random_stopping draws it
+    max_concurrent_trials: int = Field(2, ge=1)
+    metric: Literal["validation_accuracy"] = "validation_accuracy"
+    mode: Literal["max", "min"] = "max"
+    scheduler: Literal["fifo", "asha"] = "fifo"
+    asha: AshaConfig = AshaConfig()
+    selection: Literal["composition", "random_stopping"] = "composition"
+    random_stopping: RandomStopping | None = None
+
+    @field_validator("search_space")
+    @classmethod
+    def _searchable(cls, space: dict) -> dict:
+        for key in space:
+            if key not in SEARCHABLE:
+                raise FieldProblem(f"cannot search {key!r}; searchable: {', '.join(SEARCHABLE)}")
+        return space
+
+    @model_validator(mode="after")
+    def _random_stopping_rules(self) -> TuneConfig:
+        if self.selection != "random_stopping":
+            if self.random_stopping is not None:
+                raise FieldProblem("only allowed with selection: random_stopping",
+                                   "random_stopping")
+            return self
+        if self.random_stopping is None:
+            raise FieldProblem("required with selection: random_stopping (mean_trials, shape)",
+                               "random_stopping")
+        if self.scheduler != "fifo":
+            raise FieldProblem("random_stopping needs independent trials: use scheduler: fifo "
+                               "(ASHA stops trials by comparing them)", "scheduler")
+        for key, dimension in self.search_space.items():
+            if dimension.grid is not None:
+                raise FieldProblem("random_stopping draws every trial at random: use choice, "
+                                   "uniform or loguniform, not grid", f"search_space.{key}")
+        return self
+
+

@@ -1,0 +1,76 @@
+"""A sweep's outputs: the result table, the best configuration, the privacy-utility plot and
+the privacy statement of the whole sweep."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def write_sweep_outputs(sweep, pipeline, on_line) -> None:
+    directory, config = sweep.directory, pipeline.tune
+    if sweep.trials:
+        pq.write_table(pa.Table.from_pylist(sweep.trials), directory / "results.parquet")
+    (directory / "sweep.json").write_text(json.dumps(
+        {"trials": sweep.trials, "best": sweep.best, "privacy": sweep.privacy}, indent=2,
+        default=str))
+    plot = write_privacy_utility_plot(sweep.trials, config.metric, directory / "privacy_utility.png",
+                                      pipeline.name)
+    on_line(results_table(sweep.trials, list(config.search_space), config.metric))
+    if sweep.best is not None:
+        chosen = ", ".join(f"{k}={sweep.best[k]:.6g}" for k in config.search_space)
+        on_line(f"\nbest ({config.metric} {sweep.best[config.metric]:.4f}): {chosen}"
+                f"\nbest pipeline: {directory / 'best.yaml'}")
+    on_line(privacy_text(sweep.privacy))
+    on_line(f"wrote {directory / 'results.parquet'}, {plot}, {directory / 'sweep.json'}")
+
+
+def results_table(trials: list[dict], params: list[str], metric: str) -> str:
+    columns = ["trial", *params, "epochs", "epsilon", metric, "stop_reason"]
+    widths = [max(len(c), 12) for c in columns]
+    lines = ["  ".join(f"{c:<{w}}" for c, w in zip(columns, widths, strict=True))]
+    for trial in trials:
+        cells = []
+        for column, width in zip(columns, widths, strict=True):
+            value = trial.get(column, "")
+            text = f"{value:.4g}" if isinstance(value, float) else str(value)
+            cells.append(f"{text:<{width}}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def privacy_text(privacy: dict) -> str:
+    how = ("composition of every trial's events" if privacy["selection"] == "composition"
+           else f"random stopping (Papernot & Steinke), {privacy.get('trials_drawn')} trial(s) "
+                "drawn")
+    return (f"\nprivacy of the whole sweep: epsilon {privacy['epsilon']:.4f} at delta "
+            f"{privacy['delta']:g} ({privacy['accountant'].upper()}, {how})\n"
+            f"budget '{privacy['budget']}': epsilon {privacy['budget_epsilon_counted']:.4f} of "
+            f"{privacy['budget_epsilon']:g} counted in all")
+
+
+def write_privacy_utility_plot(trials: list[dict], metric: str, path, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for stop, marker in (("completed", "o"), ("budget exhausted", "x"),
+                         ("stopped by scheduler", "s")):
+        points = [(t["epsilon"], t[metric]) for t in trials if t["stop_reason"] == stop
+                  and not math.isnan(t[metric])]
+        if points:
+            axes.scatter(*zip(*points, strict=True), marker=marker, label=stop)
+    axes.set(xlabel="epsilon spent by the trial", ylabel=metric,
+             title=f"{title}: {metric} vs privacy, one point per trial")
+    axes.grid(alpha=0.3)
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

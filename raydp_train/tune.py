@@ -1,0 +1,245 @@
+"""`raydp-train tune`: a Ray Tune sweep whose every trial spends from ONE global budget.
+
+The driver checks every value the search space can produce, opens the budget's accountant
+(from the driver, so it outlives the trials), and runs the Tuner. Each trial runs the same
+training code as `raydp-train run`: in the trial process for one worker, or as a Ray Train run
+for several. The sweep's privacy (DESIGN §2.6):
+
+- `selection: composition` (default, valid for any adaptive search): every trial reserves its
+  epochs from the budget; the sweep costs the composition of all of its trials' events.
+- `selection: random_stopping` (random search only): the number of trials K is drawn at random
+  (Papernot & Steinke 2022) and the whole sweep is ONE RepeatAndSelect reservation, made
+  before any trial starts, for the worst trial the search space allows.
+
+The selection metric is validation accuracy, on rows declared public or released with noise
+(the pipeline schema refuses a sweep that would select on private rows otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from raydp_train.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
+from raydp_train.preflight import check_pipeline
+from raydp_train.privacy.budget import Spend
+from raydp_train.privacy.random_stopping import draw_trial_count
+from raydp_train.report import new_run_dir
+from raydp_train.sweep_report import write_sweep_outputs
+
+RUNNING = "running"
+
+
+def print_now(line: str) -> None:
+    print(line, flush=True)
+
+
+@dataclass
+class SweepResult:
+    directory: Path
+    trials: list[dict]  # one row per trial: parameters, epsilon, metrics, stop reason
+    best: dict | None
+    privacy: dict
+
+    @property
+    def finished_trials(self) -> int:
+        return sum(t["stop_reason"] == "completed" for t in self.trials)
+
+
+def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult:
+    """Check, reserve (random stopping), run every trial, and write the sweep's outputs."""
+    from ray import tune
+
+    from raydp_train.budget_actor import open_budget
+
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our own progress lines, not Tune's
+    config = pipeline.tune
+    _, plan = check_pipeline(pipeline)
+    _check_search_space(pipeline)
+    directory = new_run_dir(pipeline, "sweep")
+    on_line(f"{pipeline.name}: sweep over {', '.join(config.search_space)}; "
+            f"directory {directory}")
+    connect()
+    budget = open_budget(pipeline.budget)
+    sweep_id = directory.name
+    num_samples, trial_budget = config.num_samples, budget
+    privacy = {"selection": config.selection, "budget": pipeline.budget.name}
+    if config.selection == "random_stopping":
+        num_samples = _draw_trial_count(pipeline)
+        spend = random_stopping_spend(pipeline, plan)
+        decision = budget.reserve(sweep_id, spend)
+        privacy.update(trials_drawn=num_samples,
+                       worst_case_noise_multiplier=spend.noise_multiplier)
+        if not decision.granted:
+            on_line(f"STOPPED before any trial: {decision.reason}")
+            return _finish(directory, pipeline, [], None, budget, sweep_id, privacy, on_line)
+        trial_budget = None  # the sweep's one reservation covers every trial
+        on_line(f"random stopping: {num_samples} trial(s) drawn (mean "
+                f"{config.random_stopping.mean_trials:g}), reserved epsilon "
+                f"{decision.epsilon_after:.4f} for the whole sweep")
+    trainable = tune.with_parameters(
+        run_trial, base=pipeline.model_dump(mode="json"), budget=trial_budget,
+        sweep_id=sweep_id, directory=str(directory))
+    # A trial that drives a Ray Train run needs little: its workers get their own placement group.
+    cpus = 1 if pipeline.training.workers == 1 else 0.25
+    tuner = tune.Tuner(
+        tune.with_resources(trainable, {"cpu": cpus}),
+        param_space=_param_space(config),
+        tune_config=tune.TuneConfig(
+            num_samples=num_samples, max_concurrent_trials=config.max_concurrent_trials,
+            scheduler=_scheduler(pipeline)),
+        run_config=tune.RunConfig(storage_path=str(directory.resolve()), name="trials",
+                                  verbose=0, callbacks=[_progress_printer(on_line, pipeline)]),
+    )
+    grid = tuner.fit() if num_samples > 0 else []
+    if trial_budget is None:  # the random-stopping sweep is over: its reservation is spent
+        budget.settle(decision, spend.steps, spend.releases)
+    trials = [_trial_row(result, config) for result in grid]
+    best = _best(trials, config)
+    return _finish(directory, pipeline, trials, best, budget, sweep_id, privacy, on_line)
+
+
+def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -> None:
+    """One trial: the pipeline with `params` set, trained by the code `run` uses."""
+    from ray import tune
+
+    from raydp_train.train.charges import MemoryCharges, RunAccount
+    from raydp_train.train.context import LocalContext
+    from raydp_train.train.trainer import fit
+    from raydp_train.train.worker import train
+
+    overrides = [f"{key}={value}" for key, value in params.items()]
+    pipeline = pipeline_from_dict(base, overrides, source=f"trial {params}")
+    _, plan = check_pipeline(pipeline)
+    trial_id = tune.get_context().get_trial_id()
+    owner = f"{sweep_id}/{trial_id}"
+
+    def report(row: dict) -> None:
+        tune.report({**row, "stop_reason": RUNNING})
+
+    if pipeline.training.workers == 1:
+        account = RunAccount(MemoryCharges(), budget, owner, plan)
+        result = train(pipeline, plan, LocalContext(on_epoch=report, account=account))
+    else:
+        from ray.tune.integration.ray_train import TuneReportCallback
+
+        result = fit(pipeline, plan, Path(directory) / "train" / trial_id, on_epoch=lambda r: None,
+                     budget=budget, owner=owner, callbacks=[TuneReportCallback()])
+    last = result.metrics[-1] if result.metrics else {"epoch": 0, "validation_accuracy": math.nan}
+    tune.report({**last, "stop_reason": result.stop_reason, "final": True,
+                 "epsilon": plan.epsilon(result.steps_charged, releases=result.releases_charged),
+                 "steps_charged": result.steps_charged})
+
+
+def _progress_printer(on_line, pipeline: Pipeline):
+    """One line per trial epoch and per finished trial, on the driver."""
+    from ray.tune import Callback
+
+    epochs, metric = pipeline.training.epochs, pipeline.tune.metric
+
+    class ProgressPrinter(Callback):
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            if result.get("final"):
+                on_line(f"  {trial.trial_id}  {result['stop_reason'].split(':')[0]}  "
+                        f"(trial epsilon {result['epsilon']:.3f})")
+            elif "epoch" in result and "epsilon" in result:
+                on_line(f"  {trial.trial_id}  epoch {result['epoch']}/{epochs}  {metric} "
+                        f"{result.get(metric, math.nan):.4f}  epsilon {result['epsilon']:.3f}")
+
+    return ProgressPrinter()
+
+
+def _check_search_space(pipeline: Pipeline) -> None:
+    """Validate the pipeline at every extreme value of every searched field, before any
+    budget is touched: a bad bound fails here, naming the field, not in trial 7."""
+    base = pipeline.model_dump(mode="json")
+    for key, dimension in pipeline.tune.search_space.items():
+        for value in dimension.values():
+            candidate = pipeline_from_dict(base, [f"{key}={value}"],
+                                           source=f"tune.search_space.{key}={value}")
+            check_pipeline(candidate)
+
+
+def random_stopping_spend(pipeline: Pipeline, plan) -> Spend:
+    """The whole random-stopping sweep as one reservation: RepeatAndSelect of the costliest
+    trial the search space allows, i.e. the one with the smallest sigma (per RDP order, less
+    noise never costs less privacy; q, steps and releases are the same for every trial)."""
+    searched = pipeline.tune.search_space.get("privacy.noise_multiplier")
+    worst_sigma = min(searched.values()) if searched is not None else plan.noise_multiplier
+    stopping = pipeline.tune.random_stopping
+    trial = plan.spend(plan.steps, plan.epochs * plan.releases_per_epoch)
+    return replace(trial, noise_multiplier=worst_sigma, mechanism="random_stopping",
+                   mean_trials=stopping.mean_trials, shape=stopping.shape_value)
+
+
+def _param_space(config) -> dict:
+    from ray import tune
+
+    make = {"choice": tune.choice, "grid": tune.grid_search,
+            "uniform": lambda b: tune.uniform(*b), "loguniform": lambda b: tune.loguniform(*b)}
+    return {key: make[d.kind](getattr(d, d.kind)) for key, d in config.search_space.items()}
+
+
+def _scheduler(pipeline: Pipeline):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    config = pipeline.tune
+    if config.scheduler == "fifo":
+        return FIFOScheduler()
+    return ASHAScheduler(
+        time_attr="epoch", metric=config.metric, mode=config.mode,
+        max_t=pipeline.training.epochs, grace_period=config.asha.grace_period,
+        reduction_factor=config.asha.reduction_factor)
+
+
+def _draw_trial_count(pipeline: Pipeline) -> int:
+    """K for random stopping, from a secure source unless the run is seeded (not for release)."""
+    seed = pipeline.run.seed
+    rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little") if seed is None else seed)
+    stopping = pipeline.tune.random_stopping
+    return draw_trial_count(stopping.mean_trials, stopping.shape_value, rng)
+
+
+def _trial_row(result, config) -> dict:
+    metrics = result.metrics or {}
+    row = {"trial": metrics.get("trial_id", ""), **result.config}
+    stop = metrics.get("stop_reason", "failed" if result.error else "stopped by scheduler")
+    if stop == RUNNING:  # ASHA ended it after an epoch report
+        stop = "stopped by scheduler"
+    row.update(
+        epochs=metrics.get("epoch", 0), steps_charged=metrics.get("steps_charged"),
+        epsilon=metrics.get("epsilon", math.nan),
+        validation_accuracy=metrics.get("validation_accuracy", math.nan),
+        test_accuracy=metrics.get("test_accuracy", math.nan),
+        stop_reason=stop.split(":")[0] if stop.startswith("budget exhausted") else stop)
+    if result.error:
+        row["error"] = str(result.error).splitlines()[0]
+    return row
+
+
+def _best(trials: list[dict], config) -> dict | None:
+    scored = [t for t in trials if not math.isnan(t[config.metric])]
+    if not scored:
+        return None
+    pick = max if config.mode == "max" else min
+    return pick(scored, key=lambda t: t[config.metric])
+
+
+def _finish(directory, pipeline, trials, best, budget, sweep_id, privacy, on_line):
+    status = budget.status()
+    privacy.update(
+        epsilon=budget.epsilon_of(sweep_id), delta=status["delta"],
+        accountant=status["accountant"], budget_epsilon=status["epsilon"],
+        budget_epsilon_counted=status["epsilon_counted"], trials=len(trials))
+    best_pipeline = None
+    if best is not None:
+        overrides = [f"{k}={best[k]}" for k in pipeline.tune.search_space]
+        best_pipeline = pipeline_from_dict(pipeline.model_dump(mode="json"), overrides)
+        (directory / "best.yaml").write_text(dump_pipeline(best_pipeline))
+    sweep = SweepResult(directory, trials, best, privacy)
+    write_sweep_outputs(sweep, pipeline, on_line)
+    return sweep

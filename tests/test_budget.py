@@ -1,0 +1,193 @@
+"""The central accountant without Ray: its decisions, its ledger and its replay.
+
+Oracle: dp-accounting called directly on the same events.
+"""
+
+import math
+from pathlib import Path
+
+import dp_accounting
+import numpy as np
+import pyarrow as pa
+import pytest
+from dp_accounting import pld, rdp
+
+from raydp_train.privacy.budget import BudgetAccountant, BudgetError, BudgetTerms, Spend
+from raydp_train.privacy.ledger import LedgerCorruptError, LedgerError
+from raydp_train.privacy.random_stopping import draw_trial_count, gamma_for_mean, trial_count_mean
+
+ACCOUNTANTS = {"rdp": rdp.RdpAccountant, "pld": pld.PLDAccountant}
+
+
+def _direct_epsilon(events, delta, accountant):
+    ledger = ACCOUNTANTS[accountant]()
+    ledger.compose(dp_accounting.ComposedDpEvent(events))
+    return ledger.get_epsilon(delta)
+
+
+def _dpsgd(q, sigma, steps):
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+
+
+def _accountant(tmp_path, epsilon=10.0, accountant="rdp", name="b"):
+    return BudgetAccountant(str(tmp_path), BudgetTerms(name, epsilon, 1e-5, accountant))
+
+
+HETEROGENEOUS = [(0.01, 1.1, 300), (0.05, 0.9, 40), (0.02, 2.0, 500), (0.01, 1.1, 100)]
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_budget_epsilon_equals_dp_accounting_composition(tmp_path, accountant):
+    budget = _accountant(tmp_path, epsilon=50.0, accountant=accountant)
+    for i, (q, sigma, steps) in enumerate(HETEROGENEOUS):
+        assert budget.reserve(f"r{i}", f"trial{i}", Spend(q, sigma, steps)).granted
+    expected = _direct_epsilon([_dpsgd(*e) for e in HETEROGENEOUS], 1e-5, accountant)
+    assert budget.status()["epsilon_counted"] == pytest.approx(expected, rel=1e-9)
+    # A restarted accountant recomposes the events from the ledger: same epsilon.
+    assert _accountant(tmp_path, 50.0, accountant).book.recomposed_epsilon() == pytest.approx(
+        expected, rel=1e-6)
+
+
+def test_refusal_says_what_remains_and_what_was_asked(tmp_path):
+    one = _direct_epsilon([_dpsgd(0.02, 1.0, 200)], 1e-5, "rdp")
+    budget = _accountant(tmp_path, epsilon=float(one * 1.2))
+    assert budget.reserve("a", "trial-a", Spend(0.02, 1.0, 200)).granted
+    refused = budget.reserve("b", "trial-b", Spend(0.02, 1.0, 200))
+    assert not refused.granted and refused.reservation == ""
+    assert "budget exhausted" in refused.reason and "trial-b" in refused.reason
+    assert "200 steps at q=0.02, sigma=1" in refused.reason
+    assert f"{one * 0.2:.4g} of" in refused.reason  # what remains
+    assert refused.epsilon_after > budget.book.terms.epsilon
+    assert budget.status()["epsilon_counted"] == pytest.approx(one, rel=1e-12)
+
+
+def test_settle_returns_unused_steps_and_unsettled_reservations_stay_counted(tmp_path):
+    budget = _accountant(tmp_path)
+    crashed = budget.reserve("r1", "crashed", Spend(0.02, 1.0, 100))
+    finished = budget.reserve("r2", "finished", Spend(0.05, 1.5, 100))
+    assert crashed.granted and finished.granted
+    assert budget.settle("s1", finished.reservation, steps_done=30) == 70
+    assert budget.settle("s1", finished.reservation, steps_done=30) == 70  # retried: same answer
+    status = budget.status()
+    assert status["owners"]["crashed"]["steps_reserved"] == 100  # never settled: counted in full
+    assert status["owners"]["finished"]["steps_spent"] == 30
+    assert (status["steps_spent"], status["steps_reserved"]) == (30, 100)
+    expected = _direct_epsilon([_dpsgd(0.02, 1.0, 100), _dpsgd(0.05, 1.5, 30)], 1e-5, "rdp")
+    assert status["epsilon_counted"] == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(BudgetError, match="already settled"):
+        budget.settle("s2", finished.reservation, steps_done=30)
+    with pytest.raises(BudgetError, match="do not fit"):
+        budget.settle("s3", crashed.reservation, steps_done=101)
+
+
+def test_retried_reserve_is_answered_not_granted_twice(tmp_path):
+    budget = _accountant(tmp_path)
+    first = budget.reserve("same-id", "t", Spend(0.02, 1.0, 100))
+    again = budget.reserve("same-id", "t", Spend(0.02, 1.0, 100))
+    assert again == first
+    assert budget.status()["steps_reserved"] == 100
+    assert len(budget.ledger.rows()) == 2  # the open row and one reservation
+
+
+def test_restart_rebuilds_identical_status_from_the_ledger(tmp_path):
+    budget = _accountant(tmp_path, accountant="pld")
+    kept = budget.reserve("r1", "a", Spend(0.02, 1.0, 100))
+    budget.reserve("r2", "b", Spend(0.01, 0.8, 50, release_noise_multiplier=5.0, releases=2))
+    budget.settle("s1", kept.reservation, steps_done=60)
+    before = budget.status()
+    assert _accountant(tmp_path, accountant="pld").status() == before
+
+
+def test_ledger_rows_carry_event_kind_time_and_running_epsilon(tmp_path):
+    budget = _accountant(tmp_path)
+    granted = budget.reserve("r1", "trial", Spend(0.02, 1.0, 100))
+    budget.settle("s1", granted.reservation, steps_done=100)
+    rows = budget.ledger.rows()
+    assert [r["kind"] for r in rows] == ["open", "reserve", "settle"]
+    assert rows[1]["owner"] == "trial" and rows[1]["steps"] == 100
+    assert rows[1]["sampling_rate"] == 0.02 and rows[1]["noise_multiplier"] == 1.0
+    assert rows[1]["running_epsilon"] == pytest.approx(granted.epsilon_after)
+    assert rows[2]["running_epsilon"] == rows[1]["running_epsilon"]  # nothing given back
+    assert all(r["timestamp"] > 0 and r["budget"] == "b" for r in rows)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
+def test_damaged_ledger_is_reported_never_dropped(tmp_path, damage):
+    budget = _accountant(tmp_path)
+    for i in range(3):
+        budget.reserve(f"r{i}", "t", Spend(0.02, 1.0, 10))
+    fragment = sorted((Path(tmp_path) / "b").glob("*.parquet"))[2]
+    if damage == "truncate":
+        fragment.write_bytes(fragment.read_bytes()[:40])
+    elif damage == "garbage":
+        fragment.write_bytes(b"not parquet at all")
+    else:
+        fragment.unlink()
+    reopened = _accountant(tmp_path)
+    expected = fragment.name if damage != "delete" else "fragment number 2"
+    with pytest.raises(LedgerCorruptError, match=expected):
+        reopened.status()
+    with pytest.raises(LedgerCorruptError):
+        reopened.reserve("r9", "t", Spend(0.02, 1.0, 10))
+
+
+def test_budget_terms_are_fixed_at_creation(tmp_path):
+    _accountant(tmp_path, epsilon=5.0)
+    reopened = _accountant(tmp_path, epsilon=8.0)  # the ledger's terms win
+    assert reopened.book.terms.epsilon == 5.0
+    with pytest.raises(BudgetError, match="created with epsilon=5"):
+        reopened.check_terms(BudgetTerms("b", 8.0, 1e-5, "rdp"), str(tmp_path))
+    with pytest.raises(BudgetError, match="created with .*delta=1e-05"):
+        reopened.check_terms(BudgetTerms("b", 5.0, 1e-6, "rdp"), str(tmp_path))
+
+
+def test_failed_ledger_write_grants_nothing(tmp_path, monkeypatch):
+    budget = _accountant(tmp_path)
+    before = budget.status()
+
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")  # writing beneath a file fails like a full or read-only disk
+    monkeypatch.setattr(budget.ledger, "directory", str(blocker / "b"))
+    with pytest.raises(LedgerError, match="cannot write ledger fragment"):
+        budget.reserve("r1", "t", Spend(0.02, 1.0, 10))
+    assert budget.status() == before
+
+
+def test_bad_reservations_are_refused_with_reasons(tmp_path):
+    budget = _accountant(tmp_path)
+    with pytest.raises(BudgetError, match="sampling_rate must be in"):
+        budget.reserve("r", "t", Spend(1.5, 1.0, 10))
+    with pytest.raises(BudgetError, match="asks for nothing"):
+        budget.reserve("r", "t", Spend(0.1, 1.0, 0))
+
+
+def test_random_stopping_epsilon_equals_repeat_and_select(tmp_path):
+    budget = _accountant(tmp_path, epsilon=100.0)
+    spend = Spend(0.02, 1.2, 200, release_noise_multiplier=10.0, releases=5,
+                  mechanism="random_stopping", mean_trials=8.0, shape=1.0)
+    assert budget.reserve("r", "sweep", spend).granted
+    trial = dp_accounting.ComposedDpEvent([
+        _dpsgd(0.02, 1.2, 200),
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(10.0), 5)])
+    expected = _direct_epsilon(
+        [dp_accounting.dp_event.RepeatAndSelectDpEvent(trial, 8.0, 1.0)], 1e-5, "rdp")
+    assert budget.status()["epsilon_counted"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("shape", [0.0, 0.5, 1.0, 3.0, math.inf])
+def test_trial_count_distribution_has_the_asked_mean(shape):
+    mean = 6.0
+    if not math.isinf(shape):
+        assert trial_count_mean(gamma_for_mean(mean, shape), shape) == pytest.approx(mean)
+    rng = np.random.default_rng(0)
+    draws = np.array([draw_trial_count(mean, shape, rng) for _ in range(20000)])
+    assert abs(draws.mean() - mean) < 4 * draws.std() / math.sqrt(len(draws))
+    assert math.isinf(shape) or draws.min() >= 1  # only Poisson may run no trial
+
+
+def test_ledger_rows_use_the_parquet_schema(tmp_path):
+    _accountant(tmp_path)
+    (fragment,) = (Path(tmp_path) / "b").glob("*.parquet")
+    table = pa.parquet.read_table(fragment)
+    assert table.num_rows == 1 and table.column("kind")[0].as_py() == "open"

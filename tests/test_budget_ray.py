@@ -1,0 +1,112 @@
+"""The budget accountant as a real Ray actor, and sweeps that spend from it (local Ray)."""
+
+import json
+
+import dp_accounting
+import pyarrow.parquet as pq
+import pytest
+from dp_accounting import rdp
+
+from raydp_train.budget_actor import actor_name, open_budget
+from raydp_train.budget_report import ledger_rows
+from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
+from raydp_train.pipeline import load_pipeline
+from raydp_train.privacy.budget import NAMESPACE, Spend
+from raydp_train.sweep_config import BudgetConfig
+
+SPEND = Spend(0.02, 1.0, 50)
+
+
+def _epsilon_of(reservations: int) -> float:
+    """dp-accounting itself on `reservations` copies of SPEND."""
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.0)), 50)
+    accountant = rdp.RdpAccountant()
+    accountant.compose(dp_accounting.ComposedDpEvent([event] * reservations))
+    return accountant.get_epsilon(1e-5)
+
+
+def test_concurrent_reservations_never_overspend(ray_session, tmp_path):
+    ray = ray_session
+    fits = 7
+    budget_epsilon = (_epsilon_of(fits) + _epsilon_of(fits + 1)) / 2  # room for exactly 7
+    budget = open_budget(BudgetConfig(name="concurrent", epsilon=budget_epsilon, delta=1e-5,
+                                      ledger=str(tmp_path)))
+
+    @ray.remote  # 1 CPU each: Ray reuses a few worker processes instead of starting 50
+    def ask(owner):
+        return budget.reserve(owner, SPEND)
+
+    decisions = ray.get([ask.remote(f"task-{i}") for i in range(50)])
+    granted = [d for d in decisions if d.granted]
+    assert len(granted) == fits
+    assert all("budget exhausted" in d.reason for d in decisions if not d.granted)
+    assert _epsilon_of(len(granted)) <= budget_epsilon
+    status = budget.status()
+    assert status["steps_reserved"] == fits * SPEND.steps
+    assert len([r for r in ledger_rows("concurrent", str(tmp_path)) if r["kind"] == "reserve"]) == fits
+
+
+def test_killed_or_replaced_actor_comes_back_identical(ray_session, tmp_path):
+    ray = ray_session
+    config = BudgetConfig(name="restartable", epsilon=20.0, delta=1e-5, ledger=str(tmp_path))
+    budget = open_budget(config)
+    first = budget.reserve("a", SPEND)
+    budget.reserve("b", Spend(0.05, 1.3, 20, release_noise_multiplier=4.0, releases=1))
+    assert budget.settle(first, steps_done=20) == 30
+    before = budget.status()
+
+    # Killed between reservations: Ray restarts it and it rebuilds from the ledger.
+    ray.kill(ray.get_actor(actor_name("restartable"), namespace=NAMESPACE), no_restart=False)
+    assert budget.status() == before
+    # Gone for good: a fresh actor over the same ledger path.
+    ray.kill(ray.get_actor(actor_name("restartable"), namespace=NAMESPACE), no_restart=True)
+    assert open_budget(config).status() == before
+    # And it keeps spending from where it was.
+    assert budget.reserve("c", SPEND).epsilon_after > before["epsilon_counted"]
+
+
+def test_sweep_spends_one_budget_until_it_is_exhausted(ray_session, tmp_path, capsys):
+    pipeline = "pipelines/sweep_digits.yaml"
+    overrides = [f"run.output_dir={tmp_path}/runs", f"budget.ledger={tmp_path}/budgets",
+                 "budget.name=test-sweep", "budget.epsilon=4.5", "training.epochs=3",
+                 "tune.num_samples=4", "tune.max_concurrent_trials=1", "run.seed=3"]
+    # One trial costs epsilon 2.4-4.04 (sigma 2-1.2): the first always fits, all 4 (>= 5.13) never.
+    args = ["tune", pipeline] + [x for o in overrides for x in ("--set", o)]
+    assert main(args) == 0
+    output = capsys.readouterr().out
+    (sweep_dir,) = (tmp_path / "runs").glob("sweep-digits-sweep-*")
+    trials = pq.read_table(sweep_dir / "results.parquet").to_pylist()
+    stops = [t["stop_reason"] for t in trials]
+    assert len(trials) == 4 and "completed" in stops and "budget exhausted" in stops, stops
+    assert (sweep_dir / "privacy_utility.png").stat().st_size > 0
+    assert (sweep_dir / "best.yaml").is_file()
+    summary = json.loads((sweep_dir / "sweep.json").read_text())
+    # The ledger never holds more than the budget, and the sweep is all that spent from it.
+    rows = ledger_rows("test-sweep", f"{tmp_path}/budgets")
+    assert max(r["running_epsilon"] for r in rows) <= 4.5
+    assert summary["privacy"]["epsilon"] == pytest.approx(rows[-1]["running_epsilon"], rel=1e-6)
+    assert "privacy of the whole sweep: epsilon" in output and "budget exhausted" in output
+
+    # A run on the same, now spent, budget stops cleanly before its first epoch.
+    run_args = ["run", pipeline] + [x for o in overrides for x in ("--set", o)]
+    assert main(run_args) == EXIT_BUDGET_EXHAUSTED
+    assert "STOPPED: budget exhausted" in capsys.readouterr().out
+    assert load_pipeline(sweep_dir / "best.yaml").budget.name == "test-sweep"
+
+
+def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_session, tmp_path):
+    overrides = [f"run.output_dir={tmp_path}/runs", f"budget.ledger={tmp_path}/budgets",
+                 "budget.name=test-random-stopping", "budget.epsilon=20", "training.epochs=1",
+                 "tune.selection=random_stopping", "tune.random_stopping={mean_trials: 2}",
+                 "tune.max_concurrent_trials=2", "run.seed=5"]
+    assert main(["tune", "pipelines/sweep_digits.yaml"]
+                + [x for o in overrides for x in ("--set", o)]) == 0
+    (sweep_dir,) = (tmp_path / "runs").glob("sweep-digits-sweep-*")
+    summary = json.loads((sweep_dir / "sweep.json").read_text())
+    assert len(summary["trials"]) == summary["privacy"]["trials_drawn"] >= 1
+    rows = ledger_rows("test-random-stopping", f"{tmp_path}/budgets")
+    assert [(r["kind"], r["mechanism"]) for r in rows[1:]] == [
+        ("reserve", "random_stopping"), ("settle", "random_stopping")]
+    assert rows[1]["noise_multiplier"] == 1.2  # the costliest trial the space allows
+    assert summary["privacy"]["epsilon"] == pytest.approx(rows[1]["running_epsilon"])

@@ -1,0 +1,94 @@
+"""The `budget`, `tune` and `data.validation` sections: every rule refused with its field path,
+and the random-stopping reservation checked against dp-accounting directly. No Ray."""
+
+import dp_accounting
+import pytest
+from dp_accounting import rdp
+
+from raydp_train.pipeline import PipelineError, load_pipeline
+from raydp_train.preflight import check_pipeline
+from raydp_train.tune import random_stopping_spend
+
+SWEEP = "pipelines/sweep_digits.yaml"
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(PipelineError) as caught:
+        load_pipeline(SWEEP, overrides)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["budget=null"], "budget: a sweep spends from one global budget"),
+    (["data.validation=null"], "tune.metric: tune.metric validation_accuracy needs data.validation"),
+    (["data.validation.noise_multiplier=null"],
+     "tune.metric: the sweep would select on private validation rows"),
+    (["tune.search_space={training.lr: {choice: [0.1], step: 2}}"],
+     "tune.search_space.training.lr.step: unknown field; allowed fields: choice, grid, uniform"),
+    (["tune.search_space={training.epochs: {choice: [2]}}"],
+     "cannot search 'training.epochs'; searchable: privacy.noise_multiplier"),
+    (["tune.search_space={training.lr: {uniform: [0.1, 0.01]}}"],
+     "tune.search_space.training.lr.uniform: must be [low, high] with 0 < low < high"),
+    (["tune.search_space={training.lr: {choice: [0.1], grid: [0.2]}}"],
+     "set exactly one of choice, grid, uniform, loguniform (got choice, grid)"),
+    (["tune.search_space={privacy.lsg.rank: {choice: [4]}}"],
+     "searching privacy.lsg fields needs privacy.mechanism: lsg"),
+    (["privacy.noise_multiplier=null", "privacy.target_epsilon=3"],
+     "searching privacy.noise_multiplier needs privacy.noise_multiplier set"),
+    (["tune.selection=random_stopping"], "tune.random_stopping: required with selection"),
+    (["tune.random_stopping={mean_trials: 4}"], "only allowed with selection: random_stopping"),
+    (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",
+      "tune.scheduler=asha"], "tune.scheduler: random_stopping needs independent trials"),
+    (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",
+      "budget.accountant=pld"], "tune.selection: random_stopping is accounted with RDP only"),
+    (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",
+      "tune.search_space={training.lr: {grid: [0.1, 0.2]}}"],
+     "tune.search_space.training.lr: random_stopping draws every trial at random"),
+    (["tune.random_stopping={mean_trials: 0.5}", "tune.selection=random_stopping"],
+     "tune.random_stopping.mean_trials: must be >= 1, got 0.5"),
+    (["budget.epsilon=0"], "budget.epsilon: must be > 0, got 0"),
+    (["budget.name=a/b"], "budget.name: may contain only letters"),
+    (["budget.persist_across_jobs=3"], "budget.persist_across_jobs"),
+    (["data.validation.fraction=1"], "data.validation.fraction: must be < 1, got 1"),
+])
+def test_bad_sweep_settings_are_refused_naming_the_field(overrides, expected):
+    assert expected in _error(*overrides)
+
+
+def test_noisy_validation_releases_cannot_be_calibrated_to_a_target():
+    from raydp_train.plan import PlanError
+
+    pipeline = load_pipeline(SWEEP, ["tune=null", "privacy.noise_multiplier=null",
+                                     "privacy.target_epsilon=3"])
+    with pytest.raises(PlanError, match="privacy.target_epsilon: calibration covers"):
+        check_pipeline(pipeline)
+
+
+def test_validation_rows_are_held_out_of_training():
+    pipeline = load_pipeline(SWEEP)
+    dataset, plan = check_pipeline(pipeline)
+    assert len(dataset.validation_labels) == round(0.2 * 1438)
+    assert plan.num_examples == dataset.num_train == 1438 - len(dataset.validation_labels)
+    assert plan.release_noise_multiplier == 4.0 and plan.releases_per_epoch == 1
+    public = check_pipeline(load_pipeline(SWEEP, ["data.validation.private=false"]))[1]
+    assert public.release_noise_multiplier == 0.0  # public rows: nothing to charge
+
+
+@pytest.mark.parametrize("shape", [0.0, 1.0, 2.5, "inf"])
+def test_random_stopping_sweep_costs_repeat_and_select_of_its_worst_trial(shape):
+    pipeline = load_pipeline(SWEEP, ["tune.selection=random_stopping",
+                                     f"tune.random_stopping={{mean_trials: 5, shape: {shape}}}"])
+    _, plan = check_pipeline(pipeline)
+    spend = random_stopping_spend(pipeline, plan)
+    # The smallest sigma of the search space (choice [1.2, 1.5, 2.0]) bounds every trial.
+    trial = dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            plan.sampling_rate, dp_accounting.GaussianDpEvent(1.2)), plan.steps),
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(4.0), plan.epochs),
+    ])
+    oracle = rdp.RdpAccountant()
+    oracle.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(trial, 5.0, float(shape)))
+    ours = rdp.RdpAccountant()
+    ours.compose(spend.dp_event())
+    assert ours.get_epsilon(1e-5) == pytest.approx(oracle.get_epsilon(1e-5), rel=1e-12)
+    assert spend.noise_multiplier == 1.2 and spend.steps == plan.steps
