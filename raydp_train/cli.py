@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from raydp_train.data import DataError
+from raydp_train.hf import HFModelError
 from raydp_train.models import ModelError
 from raydp_train.pipeline import PipelineError, dump_pipeline, load_pipeline
 from raydp_train.plan import PlanError
@@ -20,7 +21,7 @@ from raydp_train.privacy.lsg import LsgConfigError
 # Problems with the user's input: printed as one clear message, never as a traceback.
 USER_ERRORS = (
     PipelineError, DataError, PlanError, ModelError, UnsupportedLayerError, LsgConfigError,
-    BudgetError, LedgerError,
+    BudgetError, LedgerError, HFModelError,
 )
 # `run` and `tune` exit with this when the global budget refused to let them finish.
 EXIT_BUDGET_EXHAUSTED = 3
@@ -85,10 +86,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _prepare(args):
-    """Load and check everything before any privacy is spent (see preflight)."""
+    """Load and check everything before any privacy is spent (see preflight). Text data is
+    tokenized by Ray Data, so Ray starts (or is joined) first."""
     from raydp_train.preflight import check_pipeline
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
+    if getattr(pipeline.data, "text_column", None) is not None or args.command is not validate:
+        from raydp_train.train.trainer import ensure_ray
+
+        ensure_ray(getattr(args, "address", None), num_cpus=max(4, pipeline.training.workers + 2))
     dataset, plan = check_pipeline(pipeline)
     return pipeline, dataset, plan
 
@@ -116,19 +122,18 @@ def validate(args) -> int:
 
 def run(args) -> int:
     from raydp_train.report import new_run_dir, privacy_statement, write_run_record
-    from raydp_train.train.trainer import ensure_ray, fit
+    from raydp_train.train.trainer import fit
 
-    pipeline, _, plan = _prepare(args)
+    pipeline, dataset, plan = _prepare(args)
     run_dir = _resumed_run_dir(args.resume, pipeline) if args.resume else new_run_dir(pipeline)
     workers = pipeline.training.workers
     mechanism = {"dpsgd": "DP-SGD", "lsg": "LSG"}[pipeline.privacy.mechanism]
     print(f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} examples, "
           f"{workers} worker(s), q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, "
           f"C={plan.clip_norm:g}\nrun directory: {run_dir}", flush=True)
-    ensure_ray(args.address, num_cpus=max(4, workers + 2))
     budget = _open_budget(pipeline)
     result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs),
-                 budget=budget, owner=run_dir.name)
+                 budget=budget, owner=run_dir.name, dataset=dataset)
     privacy = privacy_statement(plan, result, workers)
     record = write_run_record(run_dir, pipeline, result, privacy)
     _print_summary(result, privacy, record)

@@ -41,27 +41,73 @@ class Dataset:
         return tuple(self.train_features.shape[1:])
 
 
-def load_data(config, num_classes: int | None = None) -> Dataset:
-    """Load `config` (a pipeline `data` section) and check the labels against `num_classes`."""
+def load_data(config, num_classes: int | None = None, tokenizer: str | None = None) -> Dataset:
+    """Load `config` (a pipeline `data` section) and check the labels against `num_classes`.
+
+    Text columns are tokenized with the tokenizer at `tokenizer` (a folder or hub name).
+    """
     loaders = {"synthetic": _synthetic, "sklearn_digits": _digits, "parquet": _parquet}
-    features, labels, test_features, test_labels = loaders[config.source](config)
+    reader = _Reader(config, tokenizer)
+    features, labels, test_features, test_labels = loaders[config.source](config, reader)
+    validation = _validation_file(config, reader)
     classes = num_classes or int(max(labels.max(), test_labels.max(), 1)) + 1
-    for name, values in (("training", labels), ("test", test_labels)):
+    splits = [("training", labels), ("test", test_labels)]
+    if validation is not None:
+        splits.append(("validation", validation[1]))
+    for name, values in splits:
         if values.min() < 0 or values.max() >= classes:
             raise DataError(
                 f"data: {name} labels must lie in [0, {classes - 1}] for {classes} classes "
                 f"(model.num_classes), got values in [{values.min()}, {values.max()}]"
             )
     dataset = Dataset(
-        torch.as_tensor(features, dtype=torch.float32),
-        torch.as_tensor(labels, dtype=torch.int64),
-        torch.as_tensor(test_features, dtype=torch.float32),
-        torch.as_tensor(test_labels, dtype=torch.int64),
-        classes,
+        _features(features), torch.as_tensor(labels, dtype=torch.int64),
+        _features(test_features), torch.as_tensor(test_labels, dtype=torch.int64), classes,
     )
-    if config.validation is not None:
+    if validation is not None:
+        dataset.validation_features = _features(validation[0])
+        dataset.validation_labels = torch.as_tensor(validation[1], dtype=torch.int64)
+    elif config.validation is not None:
         _hold_out_validation(dataset, config.validation.fraction, config.random_state)
     return dataset
+
+
+def _features(values: np.ndarray) -> Tensor:
+    """Token ids stay integers; everything else is float32."""
+    if np.issubdtype(values.dtype, np.integer) and values.ndim == 3 and values.shape[1] == 2:
+        return torch.as_tensor(values, dtype=torch.int64)
+    return torch.as_tensor(values, dtype=torch.float32)
+
+
+class _Reader:
+    """Reads one parquet file of the pipeline's layout: numeric, tensor or text features."""
+
+    def __init__(self, config, tokenizer: str | None):
+        self.config, self.tokenizer = config, tokenizer
+
+    def read(self, path: Path, field: str) -> tuple[np.ndarray, np.ndarray]:
+        config = self.config
+        if getattr(config, "text_column", None) is None:
+            return _read_parquet(path, config, field)
+        from raydp_train.text import check_text_file, tokenize_parquet
+
+        check_text_file(path, config.text_column, config.label_column, field)
+        if self.tokenizer is None:
+            raise DataError("data.text_column: text needs a tokenizer: use model.kind hf with "
+                            "model.name_or_path")
+        labels = _labels(pq.read_table(path, columns=[config.label_column])
+                         .column(config.label_column), path, config.label_column)
+        tokens = tokenize_parquet(path, config.text_column, self.tokenizer, config.max_length)
+        return tokens, labels
+
+
+def _validation_file(config, reader: _Reader):
+    validation = config.validation
+    if validation is None or validation.path is None:
+        return None
+    if config.source != "parquet":
+        raise DataError("data.validation.path: only for source parquet; use fraction")
+    return reader.read(Path(validation.path), "data.validation.path")
 
 
 def _hold_out_validation(dataset: Dataset, fraction: float, seed: int) -> None:
@@ -93,7 +139,7 @@ def _split(features: np.ndarray, labels: np.ndarray, train_fraction: float, shuf
     return features[train], labels[train], features[test], labels[test]
 
 
-def _synthetic(config):
+def _synthetic(config, reader):
     """The seed experiment's data: synthetic, so standardizing it leaks nothing private."""
     from sklearn.datasets import make_classification
 
@@ -109,7 +155,7 @@ def _synthetic(config):
     return _split(features, labels, config.train_fraction)
 
 
-def _digits(config):
+def _digits(config, reader):
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -117,11 +163,11 @@ def _digits(config):
     return _split(images, digits.target, config.train_fraction, config.random_state)
 
 
-def _parquet(config):
-    features, labels = _read_parquet(Path(config.path), config, "data.path")
+def _parquet(config, reader: _Reader):
+    features, labels = reader.read(Path(config.path), "data.path")
     if config.test_path is None:
         return _split(features, labels, config.train_fraction, config.random_state)
-    test_features, test_labels = _read_parquet(Path(config.test_path), config, "data.test_path")
+    test_features, test_labels = reader.read(Path(config.test_path), "data.test_path")
     if test_features.shape[1:] != features.shape[1:]:
         raise DataError(
             f"data.test_path: features of shape {test_features.shape[1:]} in {config.test_path} "

@@ -15,6 +15,13 @@ class ModelError(ValueError):
 
 def build_model(config, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """Every layer is one the per-example clipping engine supports (no BatchNorm)."""
+    if config.kind == "hf":
+        from raydp_train.hf import build_hf_model
+
+        if len(feature_shape) != 2 or feature_shape[0] != 2:
+            raise ModelError("model.kind: 'hf' needs text data (data.text_column), got "
+                             f"features of shape {list(feature_shape)}")
+        return build_hf_model(config, num_classes)
     if config.kind == "logistic":
         return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(feature_shape), num_classes))
     if config.kind == "mlp":
@@ -57,3 +64,12 @@ def _cnn(config, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         nn.Linear(config.hidden_size, num_classes),
     ]
     return nn.Sequential(*layers)
+
+
+def tokenizer_source(config) -> str | None:
+    """Where text data's tokenizer comes from: the hf model's folder or hub name."""
+    if config.kind != "hf" or config.name_or_path is None:
+        return None
+    from raydp_train.hf import resolve_name_or_path
+
+    return resolve_name_or_path(config.name_or_path)

@@ -10,7 +10,7 @@ import copy
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -29,6 +29,7 @@ __all__ = [
     "CnnModel",
     "DataConfig",
     "DigitsData",
+    "HFModel",
     "LogisticModel",
     "LsgConfig",
     "MlpModel",
@@ -57,11 +58,17 @@ TrainFraction = Annotated[float, Field(gt=0, lt=1)]
 class ValidationSplit(Section):
     """Rows held out of the training set to select hyperparameters on (DESIGN §2.6)."""
 
-    fraction: float = Field(gt=0, lt=1)  # of the training rows; they are not trained on
+    fraction: float | None = Field(None, gt=0, lt=1)  # of the training rows, not trained on
+    path: str | None = Field(None, min_length=1)  # OR a file of its own (source parquet)
     private: bool = True  # false only if these rows may be published as they are
     # Gaussian noise (std, in examples) on the released count of correct predictions; each
     # release is charged to the privacy account. Required to select on private rows.
     noise_multiplier: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ValidationSplit:
+        exactly_one(self, "fraction", "path", "fraction")
+        return self
 
 
 class SyntheticData(Section):
@@ -98,13 +105,19 @@ class ParquetData(Section):
     test_path: str | None = None
     feature_columns: list[str] | None = Field(None, min_length=1)
     tensor_column: str | None = None
+    text_column: str | None = None  # strings, tokenized by the model's tokenizer (model.kind hf)
+    max_length: int = Field(128, ge=2)  # tokens per text, padded or truncated
     label_column: str = "label"
     train_fraction: TrainFraction = 0.8  # used only when test_path is None
     random_state: int = 42
 
     @model_validator(mode="after")
     def _one_feature_source(self) -> ParquetData:
-        exactly_one(self, "feature_columns", "tensor_column", "feature_columns")
+        given = [k for k in ("feature_columns", "tensor_column", "text_column")
+                 if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise FieldProblem("set exactly one of feature_columns, tensor_column or text_column "
+                               f"(got {', '.join(given) or 'none'})", "feature_columns")
         return self
 
 
@@ -144,7 +157,39 @@ class CnnModel(Section):
         return value
 
 
-ModelConfig = Annotated[LogisticModel | MlpModel | CnnModel, Field(discriminator="kind")]
+class LastLayers(Section):
+    last_k_layers: int = Field(ge=1)  # the classifier head plus the last k transformer blocks
+
+
+class HFModel(Section):
+    """A Hugging Face sequence classifier: pretrained (name_or_path) or random (config)."""
+
+    kind: Literal["hf"]
+    # A local folder, a hub name (offline with HF_HUB_OFFLINE=1) or package:<pkg>/<folder>;
+    # also where the tokenizer of text data comes from.
+    name_or_path: str | None = Field(None, min_length=1)
+    config: dict[str, Any] | None = None  # AutoConfig.for_model(**config): random init
+    task: Literal["sequence_classification"] = "sequence_classification"
+    num_labels: NumClasses = None
+    trainable: Literal["all"] | LastLayers | Annotated[list[str], Field(min_length=1)] = "all"
+
+    @model_validator(mode="after")
+    def _a_model_source(self) -> HFModel:
+        if self.name_or_path is None and self.config is None:
+            raise FieldProblem("set name_or_path (pretrained) or config (random init)",
+                               "name_or_path")
+        if self.config is not None and "model_type" not in self.config:
+            raise FieldProblem("needs model_type, e.g. bert", "config")
+        return self
+
+    @property
+    def num_classes(self) -> int | None:
+        return self.num_labels
+
+
+ModelConfig = Annotated[
+    LogisticModel | MlpModel | CnnModel | HFModel, Field(discriminator="kind")
+]
 
 # --- privacy, training, run -------------------------------------------------------------------
 

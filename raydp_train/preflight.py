@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from raydp_train.data import Dataset, load_data
-from raydp_train.models import build_model
+from raydp_train.models import build_model, tokenizer_source
 from raydp_train.pipeline import Pipeline
 from raydp_train.plan import PrivacyPlan, make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
@@ -15,7 +15,8 @@ from raydp_train.privacy.lsg import LowRankSparseGradients
 
 
 def check_pipeline(pipeline: Pipeline) -> tuple[Dataset, PrivacyPlan]:
-    dataset = load_data(pipeline.data, pipeline.model.num_classes)
+    dataset = load_data(pipeline.data, pipeline.model.num_classes,
+                        tokenizer_source(pipeline.model))
     plan = make_plan(pipeline, dataset.num_train)
     model = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes)
     rules = None

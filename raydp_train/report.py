@@ -86,7 +86,18 @@ def write_run_record(
     path = run_dir / "record.json"
     path.write_text(json.dumps(record, indent=2))
     torch.save(result.model.state_dict(), run_dir / "model.pt")
+    if pipeline.model.kind == "hf":
+        save_hf_model(result.model, pipeline.model, run_dir / "model")
     return path
+
+
+def save_hf_model(model, config, folder: Path) -> None:
+    """`save_pretrained` (+ the tokenizer): loadable by transformers alone, no raydp_train."""
+    model.model.save_pretrained(folder)
+    if config.name_or_path is not None:
+        from raydp_train.hf import load_tokenizer
+
+        load_tokenizer(config).save_pretrained(folder)
 
 
 def read_record(run_dir: Path) -> dict:

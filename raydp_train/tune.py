@@ -58,12 +58,12 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult:
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our own progress lines, not Tune's
     config = pipeline.tune
+    connect()  # first: text data is tokenized by Ray Data
     _, plan = check_pipeline(pipeline)
     _check_search_space(pipeline)
     directory = new_run_dir(pipeline, "sweep")
     on_line(f"{pipeline.name}: sweep over {', '.join(config.search_space)}; "
             f"directory {directory}")
-    connect()
     budget = open_budget(pipeline.budget)
     sweep_id = directory.name
     num_samples, trial_budget = config.num_samples, budget
@@ -114,7 +114,7 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
 
     overrides = [f"{key}={value}" for key, value in params.items()]
     pipeline = pipeline_from_dict(base, overrides, source=f"trial {params}")
-    _, plan = check_pipeline(pipeline)
+    dataset, plan = check_pipeline(pipeline)
     trial_id = tune.get_context().get_trial_id()
     owner = f"{sweep_id}/{trial_id}"
 
@@ -123,12 +123,14 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
 
     if pipeline.training.workers == 1:
         account = RunAccount(MemoryCharges(), budget, owner, plan)
-        result = train(pipeline, plan, LocalContext(on_epoch=report, account=account))
+        result = train(pipeline, plan, LocalContext(on_epoch=report, account=account),
+                       dataset=dataset)
     else:
         from ray.tune.integration.ray_train import TuneReportCallback
 
         result = fit(pipeline, plan, Path(directory) / "train" / trial_id, on_epoch=lambda r: None,
-                     budget=budget, owner=owner, callbacks=[TuneReportCallback()])
+                     budget=budget, owner=owner, callbacks=[TuneReportCallback()],
+                     dataset=dataset)
     last = result.metrics[-1] if result.metrics else {"epoch": 0, "validation_accuracy": math.nan}
     tune.report({**last, "stop_reason": result.stop_reason, "final": True,
                  "epsilon": plan.epsilon(result.steps_charged, releases=result.releases_charged),

@@ -1,4 +1,5 @@
-"""The clipping engine on a real Hugging Face BERT (tiny, random init, float64)."""
+"""The clipping engine on real Hugging Face transformers (tiny, random init, float64):
+BERT, RoBERTa, DistilBERT and GPT-2 against a naive per-example loop, padding included."""
 
 import pytest
 import torch
@@ -33,35 +34,74 @@ def losses(model, ids, labels, per_example_positions=True):
     return F.cross_entropy(logits, labels, reduction="none")
 
 
-def test_bert_clipped_sum_matches_naive_loop():
-    model = tiny_bert()
-    ids, labels = torch.randint(0, 40, (BATCH, TOKENS)), torch.randint(0, 2, (BATCH,))
-    params = [p for p in model.parameters() if p.requires_grad]
-    per_example = []
-    for i in range(BATCH):
-        grads = torch.autograd.grad(
-            losses(model, ids[i : i + 1], labels[i : i + 1]).sum(), params, allow_unused=True
-        )
-        per_example.append(
-            torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
-                       for p, g in zip(params, grads)])
-        )
-    per_example = torch.stack(per_example)
-    norms = per_example.norm(dim=1)
-    clip_norm = norms.median().item()
-    expected = (per_example * (clip_norm / norms.clamp(min=clip_norm)).unsqueeze(1)).sum(0)
-
-    clipper = PerExampleClipper(model, clip_norm)
-    stats = clipper.accumulate(losses, model, ids, labels)
-    by_param = {id(p): p.grad.flatten() for p in clipper.parameters}
-    got = torch.cat([by_param[id(p)] for p in params])
-    torch.testing.assert_close(stats.norms, norms, rtol=1e-7, atol=1e-10)
-    assert torch.linalg.norm(got - expected) / torch.linalg.norm(expected) < 1e-5
-
-
 def test_bert_with_broadcast_position_ids_is_refused():
     model = tiny_bert()
     ids, labels = torch.randint(0, 40, (BATCH, TOKENS)), torch.randint(0, 2, (BATCH,))
     clipper = PerExampleClipper(model, 1.0)
     with pytest.raises(BatchDimensionError, match="position_embeddings"):
         clipper.accumulate(losses, model, ids, labels, False)
+
+
+TINY = {"hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32,
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+ARCHITECTURES = {
+    "bert": {"model_type": "bert", "vocab_size": 40, "num_hidden_layers": 2,
+             "max_position_embeddings": 16, **TINY},
+    "roberta": {"model_type": "roberta", "vocab_size": 40, "num_hidden_layers": 2,
+                "max_position_embeddings": 20, "pad_token_id": 1, **TINY},
+    "distilbert": {"model_type": "distilbert", "vocab_size": 40, "n_layers": 2, "dim": 16,
+                   "n_heads": 2, "hidden_dim": 32, "max_position_embeddings": 16,
+                   "dropout": 0.0, "attention_dropout": 0.0, "seq_classif_dropout": 0.0},
+    "gpt2": {"model_type": "gpt2", "vocab_size": 40, "n_layer": 2, "n_embd": 16, "n_head": 2,
+             "n_positions": 16, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+             "pad_token_id": 0},
+}
+
+
+def _classifier(kind: str):
+    from raydp_train.hf import build_hf_model
+    from raydp_train.pipeline import HFModel
+
+    torch.manual_seed(0)
+    config = HFModel(kind="hf", config=ARCHITECTURES[kind], num_labels=2)
+    return build_hf_model(config, num_labels=2).double()
+
+
+def _padded_tokens(pad_id: int) -> torch.Tensor:
+    """[B, 2, T]: ids and attention mask, examples of lengths 7, 5, 3, 7, 4 padded on the right."""
+    ids = torch.randint(2, 40, (BATCH, TOKENS))
+    mask = torch.zeros(BATCH, TOKENS, dtype=torch.long)
+    for i, length in enumerate((7, 5, 3, 7, 4)):
+        mask[i, :length] = 1
+    return torch.stack([ids.masked_fill(mask == 0, pad_id), mask], dim=1)
+
+
+@pytest.mark.parametrize("kind", list(ARCHITECTURES))
+def test_transformer_clipped_sum_matches_naive_loop_with_padding(kind):
+    model = _classifier(kind)
+    pad_id = model.model.config.pad_token_id or 0
+    tokens, labels = _padded_tokens(pad_id), torch.randint(0, 2, (BATCH,))
+
+    def example_losses(model, tokens, labels):
+        return F.cross_entropy(model(tokens), labels, reduction="none")
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_example = []
+    for i in range(BATCH):
+        grads = torch.autograd.grad(example_losses(model, tokens[i:i + 1], labels[i:i + 1]).sum(),
+                                    params, allow_unused=True)
+        per_example.append(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
+                                      for p, g in zip(params, grads, strict=True)]))
+    per_example = torch.stack(per_example)
+    norms = per_example.norm(dim=1)
+    clip_norm = norms.median().item()
+    expected = (per_example * (clip_norm / norms.clamp(min=clip_norm)).unsqueeze(1)).sum(0)
+
+    clipper = PerExampleClipper(model, clip_norm)
+    stats = clipper.accumulate(example_losses, model, tokens, labels)
+    by_param = {id(p): p.grad.flatten() for p in clipper.parameters}
+    got = torch.cat([by_param[id(p)] for p in params])
+    torch.testing.assert_close(stats.norms, norms, rtol=1e-7, atol=1e-10)
+    assert torch.linalg.norm(got - expected) / torch.linalg.norm(expected) < 1e-5
+    if kind == "gpt2":  # its attention and MLP projections are transformers' Conv1D
+        assert any(type(m).__name__ == "Conv1D" for m in model.modules())

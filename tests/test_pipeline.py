@@ -104,7 +104,7 @@ MALFORMED = {
         ["data={n_samples: 100}"],
         "data.source: required; one of 'synthetic', 'sklearn_digits', 'parquet'"),
     "bad model kind": (
-        ["model.kind=rnn"], "model.kind: must be one of 'logistic', 'mlp', 'cnn', got 'rnn'"),
+        ["model.kind=rnn"], "model.kind: must be one of 'logistic', 'mlp', 'cnn', 'hf', got 'rnn'"),
     "bad optimizer": (
         ["training.optimizer=lbfgs"],
         "training.optimizer: must be one of 'sgd', 'adam', 'adamw', got 'lbfgs'"),
@@ -118,10 +118,10 @@ MALFORMED = {
     "fractional epochs": (["training.epochs=2.5"], "training.epochs: must be a whole number"),
     "both feature sources": (
         ["data={source: parquet, path: t.parquet, feature_columns: [a], tensor_column: x}"],
-        "data.feature_columns: set exactly one of feature_columns or tensor_column (got both)"),
+        "data.feature_columns: set exactly one of feature_columns, tensor_column or text_column (got feature_columns, tensor_column)"),
     "neither feature source": (
         ["data={source: parquet, path: t.parquet}"],
-        "data.feature_columns: set exactly one of feature_columns or tensor_column (got neither)"),
+        "data.feature_columns: set exactly one of feature_columns, tensor_column or text_column (got none)"),
     "empty parquet path": (
         ["data={source: parquet, path: '', tensor_column: x}"], "data.path: must not be empty"),
     "infinite clip norm": (

@@ -93,9 +93,6 @@ class LinearRule(Rule):
         """Both as [B, T, features] (T = 1 for plain vectors)."""
         return x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
 
-    def weight_matrix_shape(self, module: nn.Module) -> tuple[int, int]:
-        return module.weight.shape[0], module.weight[0].numel()
-
     def groups(self, module: nn.Module) -> int:
         return 1
 
@@ -295,6 +292,15 @@ class GroupNormRule(MaterializedRule):
         }
 
 
+class TransposedLinearRule(LinearRule):
+    """Hugging Face's GPT-2 `Conv1D`: y = x W + b with W stored [in, out], i.e. a Linear
+    whose weight is transposed; the clipped sum is written through the transposed view."""
+
+    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
+        transposed = {**slots, "weight": slots["weight"].t()} if "weight" in slots else slots
+        super().add_clipped_sum(module, calls, clip_factors, transposed)
+
+
 RULES: dict[type, object] = {
     nn.Linear: LinearRule(),
     nn.Conv1d: ConvRule(),
@@ -306,10 +312,16 @@ RULES: dict[type, object] = {
 }
 
 
+# Layers of libraries we do not import here, by their qualified class name.
+RULES_BY_NAME: dict[str, object] = {
+    "transformers.pytorch_utils.Conv1D": TransposedLinearRule(),
+}
+
+
 def rule_for(module: nn.Module):
     """The rule of the module's type; subclasses qualify only if they keep its forward."""
     for cls in type(module).__mro__:
-        rule = RULES.get(cls)
+        rule = RULES.get(cls) or RULES_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
         if rule is not None:
             return rule if type(module).forward is cls.forward else None
     return None

@@ -45,10 +45,12 @@ def fit(
     budget: BudgetClient | None = None,
     owner: str = "",
     callbacks: list | None = None,
+    dataset=None,
 ) -> TrainResult:
     """Train on Ray Train with `training.workers` workers; resumes if `run_dir` has a checkpoint.
 
-    With `budget`, rank 0 reserves each epoch from that global budget as `owner`.
+    With `budget`, rank 0 reserves each epoch from that global budget as `owner`. `dataset`
+    (loaded, e.g. tokenized, by the driver) reaches the workers through the object store.
     `fail_at_step` makes the last rank raise once at that step (tests of restarts).
     """
     run_dir = Path(run_dir).resolve()
@@ -61,6 +63,7 @@ def fit(
         "fail_at_step": fail_at_step,
         "budget": budget,
         "owner": owner or run_dir.name,
+        "dataset": None if dataset is None else ray.put(dataset),
     }
     trainer = TorchTrainer(
         _train_loop_per_worker,
@@ -108,6 +111,7 @@ def _train_loop_per_worker(config: dict) -> TrainResult:
     plan = PrivacyPlan(**config["plan"])
     account = RunAccount(ChargeLedger(config["run_dir"]), config["budget"], config["owner"], plan)
     context = RayTrainContext(config["progress"], account, config["run_dir"])
-    result = train(pipeline, plan, context, config["fail_at_step"])
+    dataset = None if config["dataset"] is None else ray.get(config["dataset"])
+    result = train(pipeline, plan, context, config["fail_at_step"], dataset)
     result.model = result.model.cpu()
     return result

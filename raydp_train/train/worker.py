@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from raydp_train.data import load_data
-from raydp_train.models import build_model
+from raydp_train.models import build_model, tokenizer_source
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.lsg import LowRankSparseGradients
@@ -66,11 +66,18 @@ def epoch_ends(epochs: int, expected_batch_size: int, num_examples: int) -> list
     return [e * num_examples // expected_batch_size for e in range(1, epochs + 1)]
 
 
-def train(pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None) -> TrainResult:
-    """Train this worker's shard; every rank returns the same model, rank 0's metrics count."""
+def train(
+    pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None, dataset=None
+) -> TrainResult:
+    """Train this worker's shard; every rank returns the same model, rank 0's metrics count.
+
+    `dataset`: already loaded (e.g. tokenized once by the driver); else loaded here.
+    """
     rank, world = context.rank, context.world_size
     seed, training = pipeline.run.seed, pipeline.training
-    dataset = load_data(pipeline.data, pipeline.model.num_classes)
+    if dataset is None:
+        dataset = load_data(pipeline.data, pipeline.model.num_classes,
+                            tokenizer_source(pipeline.model))
     shard = torch.arange(rank, dataset.num_train, world)  # disjoint shards cover the set
     if seed is not None:
         torch.manual_seed(seed)  # model initialization, reproducible only on request

