@@ -5,14 +5,13 @@ Opacus (hooks, ghost), B = 32 SST-2 sentences at T = 64 tokens.
 
 Step times: the round-robin timing of benchmarks/step_overhead.py (same initial model and
 batch for every variant). Peak memory: each variant runs a few steps in a fresh process and
-reports its peak resident set (ru_maxrss) above the resident set after loading the model and
+reports its peak resident set (VmHWM) above the resident set after loading the model and
 the batch, so the ratio compares what training adds, not the model itself.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import resource
 import statistics
 import sys
 import warnings
@@ -61,17 +60,19 @@ def _peak_memory(name: str, queue) -> None:
     warnings.filterwarnings("ignore")
     workload = minilm_workload()
     model = workload.model.train()
-    start = _rss_kb()
+    start = _status_kb("VmRSS")
     block = VARIANTS[name](model, workload.features, workload.labels)
     block(WARMUP + 1)
-    queue.put((start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    queue.put((start, _status_kb("VmHWM")))
 
 
-def _rss_kb() -> int:
+def _status_kb(field: str) -> int:
+    """VmRSS (now) or VmHWM (peak) of this process; unlike ru_maxrss, VmHWM starts afresh in
+    a spawned process instead of carrying over its parent's peak."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    return 0
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def peak_memory() -> dict[str, tuple[int, int]]:
@@ -126,7 +127,7 @@ def main() -> None:
         f"checkpoint, real SST-2 sentences padded to {TOKENS} tokens. Step times: {WARMUP} warm-up "
         f"steps, then blocks of {BLOCK} steps round-robin, {STEPS} timed steps per variant, "
         f"CPU contention {contention:.0%}. Peak memory: a fresh process per variant, "
-        f"{WARMUP + 1} steps, ru_maxrss above the resident set after loading model and batch."),
+        f"{WARMUP + 1} steps, peak resident set (VmHWM) above the one after loading model and batch."),
         "", *table(times), "", *memory_table(memory), "",
         (f"**Ours: {ours / base:.2f}x the non-private step{versus_hooks}** (targets: <= 1.2x "
         "non-private, >= 3x faster than Opacus hooks)."),

@@ -106,6 +106,9 @@ def validate(args) -> int:
     print(f"training examples N     {plan.num_examples} (test {len(dataset.test_labels)})")
     print(f"sampling rate q         {plan.sampling_rate:.6g} (expected batch {plan.expected_batch_size})")
     print(f"steps                   {plan.steps}")
+    if pipeline.privacy.mechanism == "none":
+        print("NOT PRIVATE             privacy.mechanism none: no clipping, no noise, epsilon inf")
+        return 0
     how = "calibrated to target_epsilon" if plan.noise_calibrated else "given"
     print(f"noise multiplier sigma  {plan.noise_multiplier:.6g} ({how})")
     print(f"clip norm C             {plan.clip_norm:g}")
@@ -127,7 +130,8 @@ def run(args) -> int:
     pipeline, dataset, plan = _prepare(args)
     run_dir = _resumed_run_dir(args.resume, pipeline) if args.resume else new_run_dir(pipeline)
     workers = pipeline.training.workers
-    mechanism = {"dpsgd": "DP-SGD", "lsg": "LSG"}[pipeline.privacy.mechanism]
+    mechanism = {"dpsgd": "DP-SGD", "lsg": "LSG", "none": "NON-PRIVATE SGD"}[
+        pipeline.privacy.mechanism]
     print(f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} examples, "
           f"{workers} worker(s), q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, "
           f"C={plan.clip_norm:g}\nrun directory: {run_dir}", flush=True)
@@ -240,7 +244,9 @@ def _print_summary(result, privacy: dict, record) -> None:
     print(f"  PLD accountant        epsilon {privacy['epsilon_pld']:.4f}")
     print(f"  rough estimate        epsilon {privacy['rough_epsilon_estimate']:.4f} "
           "(q*sqrt(T ln(1/delta))/sigma; not a guarantee)")
-    if not privacy["for_release"]:
+    if not privacy["private"]:
+        print("  NOT PRIVATE: privacy.mechanism none (a reference run, no guarantee)")
+    elif not privacy["for_release"]:
         print("  noise was seeded (run.seed): reproducible, NOT for release")
     print(f"run record              {record}")
 

@@ -48,14 +48,15 @@ class SequenceClassifier(nn.Module):
         self.padding_idx = getattr(embeddings, "padding_idx", None)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        input_ids, attention_mask = tokens[:, 0], tokens[:, 1]
+        # contiguous copies: peers such as Opacus `.view` the ids of an embedding
+        input_ids, attention_mask = tokens[:, 0].contiguous(), tokens[:, 1].contiguous()
         return self.model(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=self.position_ids(input_ids)).logits
 
     def position_ids(self, input_ids: Tensor) -> Tensor:
         batch, length = input_ids.shape
         if self.padding_idx is None:
-            return torch.arange(length, device=input_ids.device).expand(batch, length)
+            return torch.arange(length, device=input_ids.device).repeat(batch, 1)
         not_padding = input_ids.ne(self.padding_idx).long()
         return torch.cumsum(not_padding, dim=1) * not_padding + self.padding_idx
 

@@ -206,7 +206,8 @@ class LsgConfig(Section):
 
 
 class PrivacyConfig(Section):
-    mechanism: Literal["dpsgd", "lsg"] = "dpsgd"
+    # none: the non-private reference (no clipping, no noise, epsilon infinite)
+    mechanism: Literal["dpsgd", "lsg", "none"] = "dpsgd"
     clip_norm: float = Field(1.0, gt=0)
     noise_multiplier: float | None = Field(None, gt=0)
     target_epsilon: float | None = Field(None, gt=0)  # noise_multiplier is then calibrated
@@ -216,6 +217,11 @@ class PrivacyConfig(Section):
 
     @model_validator(mode="after")
     def _one_noise_spec(self) -> PrivacyConfig:
+        if self.mechanism == "none":
+            if self.noise_multiplier is not None or self.target_epsilon is not None:
+                raise FieldProblem("mechanism none adds no noise: remove noise_multiplier and "
+                                   "target_epsilon", "mechanism")
+            return self
         exactly_one(self, "noise_multiplier", "target_epsilon", None)
         if self.mechanism == "lsg" and self.lsg is None:
             self.lsg = LsgConfig()
@@ -254,6 +260,9 @@ class Pipeline(Section):
 
     @model_validator(mode="after")
     def _tune_fits(self) -> Pipeline:
+        if self.privacy.mechanism == "none" and self.budget is not None:
+            raise FieldProblem("a non-private run (privacy.mechanism: none) cannot spend from a "
+                               "privacy budget", "budget")
         if self.tune is not None:
             _check_tune(self)
         return self

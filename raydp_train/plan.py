@@ -60,6 +60,8 @@ class PrivacyPlan:
                      self.release_noise_multiplier if releases else 0.0, releases)
 
     def rough_epsilon(self) -> float:
+        if self.noise_multiplier == 0:
+            return float("inf")
         return rough_epsilon_estimate(
             self.sampling_rate, self.noise_multiplier, self.steps, self.delta
         )
@@ -93,7 +95,9 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
             "privacy.target_epsilon: calibration covers the training steps only; with noisy "
             "validation releases (data.validation.noise_multiplier) set privacy.noise_multiplier"
         )
-    if sigma is None:
+    if privacy.mechanism == "none":
+        sigma = 0.0  # the non-private reference: epsilon is infinite
+    elif sigma is None:
         sigma = calibrate_noise_multiplier(
             privacy.target_epsilon, privacy.delta, rate, steps, privacy.accountant
         )
@@ -103,7 +107,7 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         sampling_rate=rate,
         steps=steps,
         noise_multiplier=float(sigma),
-        noise_calibrated=privacy.noise_multiplier is None,
+        noise_calibrated=privacy.noise_multiplier is None and privacy.mechanism != "none",
         clip_norm=privacy.clip_norm,
         delta=privacy.delta,
         accountant=privacy.accountant,

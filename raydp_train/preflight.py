@@ -22,5 +22,6 @@ def check_pipeline(pipeline: Pipeline) -> tuple[Dataset, PrivacyPlan]:
     rules = None
     if pipeline.privacy.mechanism == "lsg":
         rules = LowRankSparseGradients(model, pipeline.privacy.lsg, torch.Generator()).rules
-    PerExampleClipper(model, pipeline.privacy.clip_norm, rules=rules).close()
+    if pipeline.privacy.mechanism != "none":
+        PerExampleClipper(model, pipeline.privacy.clip_norm, rules=rules).close()
     return dataset, plan

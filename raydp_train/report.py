@@ -54,7 +54,8 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         "workers": workers,
         "noise": "one Gaussian draw per step on rank 0, summed by all-reduce",
         "noise_mode": result.noise_mode,
-        "for_release": result.noise_mode == "secure",
+        "private": plan.noise_multiplier > 0,  # false: the non-private reference
+        "for_release": result.noise_mode == "secure" and plan.noise_multiplier > 0,
         "stop_reason": result.stop_reason,
     }
 

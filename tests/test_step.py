@@ -84,3 +84,39 @@ def test_noise_is_one_draw_added_once():
 def test_epoch_ends_give_floor_of_epochs_over_q():
     ends = epoch_ends(30, 64, 800)
     assert ends[-1] == 375 and len(ends) == 30 and ends[0] == 12
+
+
+def test_non_private_reference_steps_on_the_plain_mean_gradient():
+    from raydp_train.train.nonprivate import SummedGradients
+
+    model, reference = make_model(), make_model()
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    before = flat_params(model)
+    engine = SummedGradients(model)
+    private_step(model, engine, torch.optim.SGD(model.parameters(), lr=1.0), [(x, y)],
+                 cross_entropy_loss, 0.0, 8.0, torch.Generator())
+    # No clipping, no noise: the summed gradient over the expected batch size q*N = 8.
+    nn.functional.cross_entropy(reference(x), y, reduction="sum").backward()
+    expected = torch.cat([p.grad.flatten() for p in reference.parameters()]) / 8.0
+    torch.testing.assert_close(before - flat_params(model), expected)
+
+
+def test_non_private_run_is_labelled_not_private():
+    from raydp_train.pipeline import PipelineError, pipeline_from_dict
+    from raydp_train.preflight import check_pipeline
+    from raydp_train.report import privacy_statement
+    from raydp_train.train.context import LocalContext
+    from raydp_train.train.worker import train
+
+    raw = {"name": "ref", "data": {"source": "synthetic"}, "model": {"kind": "logistic"},
+           "privacy": {"mechanism": "none"}, "training": {"epochs": 2}, "run": {"seed": 0}}
+    pipeline = pipeline_from_dict(raw)
+    _, plan = check_pipeline(pipeline)
+    result = train(pipeline, plan, LocalContext(on_epoch=lambda row: None))
+    statement = privacy_statement(plan, result, workers=1)
+    assert statement["epsilon"] == float("inf") and not statement["private"]
+    assert not statement["for_release"] and result.metrics[-1]["test_accuracy"] > 0.7
+    with pytest.raises(PipelineError, match="privacy.mechanism: mechanism none adds no noise"):
+        pipeline_from_dict({**raw, "privacy": {"mechanism": "none", "noise_multiplier": 1.0}})
+    with pytest.raises(PipelineError, match="budget: a non-private run"):
+        pipeline_from_dict({**raw, "budget": {"name": "b", "epsilon": 1.0, "delta": 1e-5}})

@@ -20,6 +20,7 @@ from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train.charges import BudgetExhausted, Charged
 from raydp_train.train.context import parameter_checksum
+from raydp_train.train.nonprivate import SummedGradients
 from raydp_train.train.step import cross_entropy_loss, private_step
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -86,7 +87,10 @@ def train(
     context.broadcast_parameters(model)
     lsg = _low_rank_sparse(pipeline, model, context)
     optimizer = make_optimizer(model, training)
-    clipper = PerExampleClipper(model, plan.clip_norm, rules=lsg.rules if lsg else None)
+    if pipeline.privacy.mechanism == "none":
+        clipper = SummedGradients(model)  # the non-private reference: no clipping, no noise
+    else:
+        clipper = PerExampleClipper(model, plan.clip_norm, rules=lsg.rules if lsg else None)
     if lsg is not None:
         lsg.bind(clipper.slots, clipper.flat_grad)
     noise_generator, noise_mode = make_generator(seed, context.device)
