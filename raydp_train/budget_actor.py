@@ -14,8 +14,15 @@ from dataclasses import dataclass
 
 import ray
 
-from raydp_train.privacy.budget import NAMESPACE, BudgetAccountant, BudgetTerms, Decision, Spend
-from raydp_train.privacy.ledger import as_uri
+from raydp_train.privacy.budget import (
+    NAMESPACE,
+    BudgetAccountant,
+    BudgetError,
+    BudgetTerms,
+    Decision,
+    Spend,
+)
+from raydp_train.privacy.ledger import LedgerError, as_uri
 
 # Every handle this driver opened. A non-detached actor lives while the handle that created it
 # lives; a handle found by name does not keep it alive, so none is ever dropped here.
@@ -34,21 +41,37 @@ def budget_terms(config) -> BudgetTerms:
 def open_budget(config) -> BudgetClient:
     """Find or create the accountant of `config` (a pipeline's budget section) and check that
     its terms and ledger are the ones asked for. Call from the driver."""
-    ledger_root = as_uri(config.ledger)
+    return _open(budget_terms(config), as_uri(config.ledger), config.persist_across_jobs)
+
+
+def open_existing_budget(name: str, ledger: str) -> BudgetClient:
+    """The accountant of a budget that already has a ledger, on the terms it was created with."""
+    from raydp_train.budget_report import ledger_rows
+
+    first = ledger_rows(name, ledger)[0]
+    terms = BudgetTerms(name, first["budget_epsilon"], first["budget_delta"], first["accountant"])
+    return _open(terms, as_uri(ledger), detached=False)
+
+
+def _open(terms: BudgetTerms, ledger_root: str, detached: bool) -> BudgetClient:
     options = {
-        "name": actor_name(config.name),
+        "name": actor_name(terms.name),
         "namespace": NAMESPACE,
         "get_if_exists": True,
         "max_restarts": -1,
         "max_task_retries": -1,
         "num_cpus": 0,
     }
-    if config.persist_across_jobs:
+    if detached:
         options["lifetime"] = "detached"
-    actor = ray.remote(BudgetAccountant).options(**options).remote(ledger_root, budget_terms(config))
-    ray.get(actor.check_terms.remote(budget_terms(config), ledger_root))
+    actor = ray.remote(BudgetAccountant).options(**options).remote(ledger_root, terms)
+    try:
+        ray.get(actor.check_terms.remote(terms, ledger_root))
+    except (BudgetError, LedgerError) as error:
+        # Raised in the actor: show its message, not the remote traceback Ray wraps it in.
+        raise getattr(error, "cause", error) from None
     _OPENED.append(actor)
-    return BudgetClient(config.name)
+    return BudgetClient(terms.name)
 
 
 @dataclass(frozen=True)
@@ -70,6 +93,10 @@ class BudgetClient:
 
     def epsilon_of(self, owner_prefix: str) -> float:
         return ray.get(self._actor().epsilon_of.remote(owner_prefix))
+
+    def reset(self, note: str) -> dict:
+        """Append a reset row (settled spending stops counting); returns the new status."""
+        return ray.get(self._actor().reset.remote(uuid.uuid4().hex, note))
 
     def _actor(self):
         return ray.get_actor(actor_name(self.budget), namespace=NAMESPACE)

@@ -35,6 +35,9 @@ def status_text(status: dict) -> str:
          f"(delta {status['delta']:g}, {status['accountant'].upper()})"),
         f"steps spent {status['steps_spent']}, reserved (open) {status['steps_reserved']}",
     ]
+    if status["resets"]:
+        lines.append(f"reset {status['resets']} time(s): spending settled before the last "
+                     "reset is not counted (see `budget history`)")
     width = max([len("owner"), *map(len, status["owners"])])
     lines.append(f"{'owner':<{width}} {'spent':>8} {'reserved':>9} {'releases':>9} {'open':>5}")
     for owner, entry in sorted(status["owners"].items()):
@@ -54,6 +57,9 @@ def history_text(rows: list[dict]) -> str:
             cells.update(owner=f"epsilon={row['budget_epsilon']:g} delta={row['budget_delta']:g}",
                          mechanism=row["accountant"], sampling_rate="", noise_multiplier="",
                          steps="", releases="")
+        elif row["kind"] == "reset":
+            cells.update(mechanism="", sampling_rate="", noise_multiplier="", steps="",
+                         releases="")
         lines.append("  ".join(_cell(cells[c], w) for c, w in zip(HISTORY_COLUMNS, widths,
                                                                    strict=True)))
     return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""`raydp-train validate | run | tune PIPELINE [--set a.b=value ...]`,
-`raydp-train report RUN_DIR`, `raydp-train budget status | history NAME --ledger PATH`."""
+"""`raydp-train validate | run | tune | audit PIPELINE [--set a.b=value ...]`,
+`raydp-train report RUN_DIR`, `raydp-train budget status | history | reset NAME --ledger PATH`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ USER_ERRORS = (
 )
 # `run` and `tune` exit with this when the global budget refused to let them finish.
 EXIT_BUDGET_EXHAUSTED = 3
+# `audit` exits with this when its lower bound exceeds the claimed epsilon (a proven leak).
+EXIT_AUDIT_LEAK = 4
+# `run` after Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
         ("run", run, "train a pipeline on Ray Train and write its run record"),
         ("tune", tune_command, ("sweep a pipeline's tune.search_space on Ray Tune, every trial "
          "spending from its one global budget")),
+        ("audit", audit_command, ("measure a lower bound on the epsilon of the pipeline's DP-SGD "
+         "with canary runs in this process (no Ray; spends no budget)")),
     ):
         command = commands.add_parser(name, help=summary, description=summary)
         command.add_argument("pipeline", metavar="PIPELINE", help="pipeline YAML file")
@@ -64,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
                 "--resume", metavar="RUN_DIR",
                 help="continue an interrupted run of the same pipeline from its last checkpoint",
             )
+        if name == "audit":
+            command.add_argument("--trials", type=int, default=100, metavar="N",
+                                 help="training runs with the canary, and as many without "
+                                 "(default 100)")
+            command.add_argument("--json", action="store_true", help="print JSON instead of text")
     report_command = commands.add_parser(
         "report", help="print a run's metrics and privacy statement, and plot them"
     )
@@ -82,6 +93,18 @@ def _parser() -> argparse.ArgumentParser:
                           help="the budget's ledger (budget.ledger), e.g. budgets or s3://b/l")
         view.add_argument("--json", action="store_true", help="print JSON instead of a table")
         view.set_defaults(command=handler)
+    reset = views.add_parser(
+        "reset", help="stop counting a budget's settled spending (needs --force; appends a row)",
+        description=("Append a reset row to the budget's ledger: spending settled before it no "
+                     "longer counts, open reservations still do, and the history is kept."))
+    reset.add_argument("name", metavar="NAME", help="budget name (budget.name)")
+    reset.add_argument("--ledger", required=True, metavar="PATH_OR_URI", help="the budget's ledger")
+    reset.add_argument("--force", action="store_true", help="really reset (required)")
+    reset.add_argument("--reason", default="", help="why; recorded in the reset row")
+    reset.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                       help="Ray cluster whose jobs use the budget (default: $RAY_ADDRESS; "
+                            "unset: an embedded local Ray)")
+    reset.set_defaults(command=budget_reset)
     return parser
 
 
@@ -125,19 +148,26 @@ def validate(args) -> int:
 
 def run(args) -> int:
     from raydp_train.report import new_run_dir, privacy_statement, write_run_record
-    from raydp_train.train.trainer import fit
+    from raydp_train.train.trainer import RunInterrupted, fit
 
     pipeline, dataset, plan = _prepare(args)
-    run_dir = _resumed_run_dir(args.resume, pipeline) if args.resume else new_run_dir(pipeline)
+    resumed = _resumed_run_dir(args.resume, pipeline) if args.resume else None
+    budget = _open_budget(pipeline)  # a bad budget or ledger: refused before a run directory
+    run_dir = resumed or new_run_dir(pipeline)
     workers = pipeline.training.workers
     mechanism = {"dpsgd": "DP-SGD", "lsg": "LSG", "none": "NON-PRIVATE SGD"}[
         pipeline.privacy.mechanism]
     print(f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} examples, "
           f"{workers} worker(s), q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, "
           f"C={plan.clip_norm:g}\nrun directory: {run_dir}", flush=True)
-    budget = _open_budget(pipeline)
-    result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs),
-                 budget=budget, owner=run_dir.name, dataset=dataset)
+    try:
+        result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs),
+                     budget=budget, owner=run_dir.name, dataset=dataset)
+    except RunInterrupted:
+        print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; the epoch that was running "
+              "stays counted in full.\ncontinue with: raydp-train run "
+              f"{args.pipeline} --resume {run_dir} (and the same --set options)", flush=True)
+        return EXIT_INTERRUPTED
     privacy = privacy_statement(plan, result, workers)
     record = write_run_record(run_dir, pipeline, result, privacy)
     _print_summary(result, privacy, record)
@@ -175,6 +205,27 @@ def tune_command(args) -> int:
     return 0 if sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 
 
+def audit_command(args) -> int:
+    import json
+
+    from raydp_train.audit import audit_pipeline, audit_text, check_auditable
+    from raydp_train.preflight import check_pipeline
+
+    pipeline = load_pipeline(args.pipeline, args.overrides)
+    check_auditable(pipeline, args.trials)
+    dataset, plan = check_pipeline(pipeline)
+    progress_to = sys.stderr if args.json else sys.stdout
+
+    def progress(pairs: int, elapsed_s: float) -> None:
+        print(f"audit: {pairs}/{args.trials} pairs of runs ({elapsed_s:.1f}s)", file=progress_to,
+              flush=True)
+
+    result = audit_pipeline(pipeline, dataset, plan, args.trials, seed=pipeline.run.seed,
+                            on_progress=progress)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else audit_text(result))
+    return 0 if result.consistent else EXIT_AUDIT_LEAK
+
+
 def budget_status(args) -> int:
     from raydp_train.budget_report import as_json, budget_status, status_text
 
@@ -188,6 +239,36 @@ def budget_history(args) -> int:
 
     rows = ledger_rows(args.name, args.ledger)
     print(as_json(rows) if args.json else history_text(rows))
+    return 0
+
+
+RESET_WARNING = (
+    "WARNING: resetting budget '{name}' ({epsilon:.4f} of epsilon {total:g} counted). Data "
+    "protected by this budget loses its guarantee of epsilon {total:g} over all releases: the "
+    "spending before and after the reset add up. Reset only when the data or its release "
+    "policy changed. The ledger keeps the full history; the reset is recorded as a row."
+)
+
+
+def budget_reset(args) -> int:
+    """Through the budget's actor (so a live accountant learns of it), never by editing files."""
+    import getpass
+
+    from raydp_train.budget_actor import open_existing_budget
+    from raydp_train.budget_report import budget_status, status_text
+    from raydp_train.train.trainer import ensure_ray
+
+    status = budget_status(args.name, args.ledger)  # a missing budget is an error, even forced
+    if not args.force:
+        raise BudgetError(
+            f"budget reset {args.name}: refused without --force. A reset stops counting "
+            f"epsilon {status['epsilon_counted']:.4f} already spent; see `raydp-train budget "
+            "reset --help`")
+    print(RESET_WARNING.format(name=args.name, epsilon=status["epsilon_counted"],
+                               total=status["epsilon"]), file=sys.stderr, flush=True)
+    ensure_ray(args.address, num_cpus=1)
+    note = f"reset by {getpass.getuser()}" + (f": {args.reason}" if args.reason else "")
+    print(status_text(open_existing_budget(args.name, args.ledger).reset(note)))
     return 0
 
 

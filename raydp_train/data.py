@@ -41,8 +41,10 @@ class Dataset:
         return tuple(self.train_features.shape[1:])
 
 
-def load_data(config, num_classes: int | None = None, tokenizer: str | None = None) -> Dataset:
-    """Load `config` (a pipeline `data` section) and check the labels against `num_classes`.
+def load_data(config, num_classes: int | None = None, tokenizer: str | None = None,
+              classes_field: str = "model.num_classes") -> Dataset:
+    """Load `config` (a pipeline `data` section) and check the labels against `num_classes`
+    (the field `classes_field` of the model section).
 
     Text columns are tokenized with the tokenizer at `tokenizer` (a folder or hub name).
     """
@@ -58,7 +60,7 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
         if values.min() < 0 or values.max() >= classes:
             raise DataError(
                 f"data: {name} labels must lie in [0, {classes - 1}] for {classes} classes "
-                f"(model.num_classes), got values in [{values.min()}, {values.max()}]"
+                f"({classes_field}), got values in [{values.min()}, {values.max()}]"
             )
     dataset = Dataset(
         _features(features), torch.as_tensor(labels, dtype=torch.int64),

@@ -85,6 +85,13 @@ def load_tokenizer(config):
     import transformers
 
     path = resolve_name_or_path(config.name_or_path)
+    # A hub name is `name` or `org/name`; anything else is a folder, and must be one.
+    if path.startswith((".", "/")) or path.count("/") > 1:
+        if not Path(path).is_dir():
+            raise HFModelError(f"model.name_or_path: folder not found: {path}")
+        if not any((Path(path) / f).is_file() for f in ("config.json", "tokenizer_config.json")):
+            raise HFModelError(f"model.name_or_path: {path} holds no Hugging Face model or "
+                               "tokenizer (no config.json or tokenizer_config.json)")
     try:
         return transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:

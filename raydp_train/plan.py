@@ -98,9 +98,12 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
     if privacy.mechanism == "none":
         sigma = 0.0  # the non-private reference: epsilon is infinite
     elif sigma is None:
-        sigma = calibrate_noise_multiplier(
-            privacy.target_epsilon, privacy.delta, rate, steps, privacy.accountant
-        )
+        try:
+            sigma = calibrate_noise_multiplier(
+                privacy.target_epsilon, privacy.delta, rate, steps, privacy.accountant
+            )
+        except ValueError as error:  # a target no noise multiplier in range can meet
+            raise PlanError(f"privacy.target_epsilon: {error}") from None
     return PrivacyPlan(
         num_examples=num_examples,
         expected_batch_size=training.batch_size,

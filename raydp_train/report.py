@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from raydp_train.pipeline import Pipeline, dump_pipeline
+from raydp_train.pipeline import Pipeline, PipelineError, dump_pipeline
 from raydp_train.plan import PrivacyPlan
 
 
@@ -26,7 +26,11 @@ def new_run_dir(pipeline: Pipeline, kind: str = "") -> Path:
     run_dir, suffix = base, 1
     while run_dir.exists():
         run_dir, suffix = base.with_name(f"{base.name}-{suffix}"), suffix + 1
-    run_dir.mkdir(parents=True)
+    try:
+        run_dir.mkdir(parents=True)
+    except OSError as error:
+        raise PipelineError(pipeline.run.output_dir, [
+            f"run.output_dir: cannot create {run_dir}: {error.strerror or error}"]) from None
     (run_dir / "pipeline.yaml").write_text(dump_pipeline(pipeline))
     return run_dir
 

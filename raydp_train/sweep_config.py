@@ -88,6 +88,8 @@ class TuneConfig(Section):
     search_space: dict[str, SearchDimension] = Field(min_length=1)
     num_samples: int = Field(4, ge=1)  # trials (per grid point); random_stopping draws it
     max_concurrent_trials: int = Field(2, ge=1)
+    # Wall-clock limit: running trials are stopped (their open epoch stays counted in full).
+    time_budget_s: float | None = Field(None, gt=0)
     metric: Literal["validation_accuracy"] = "validation_accuracy"
     mode: Literal["max", "min"] = "max"
     scheduler: Literal["fifo", "asha"] = "fifo"

@@ -91,7 +91,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult:
         param_space=_param_space(config),
         tune_config=tune.TuneConfig(
             num_samples=num_samples, max_concurrent_trials=config.max_concurrent_trials,
-            scheduler=_scheduler(pipeline)),
+            scheduler=_scheduler(pipeline), time_budget_s=config.time_budget_s),
         run_config=tune.RunConfig(storage_path=str(directory.resolve()), name="trials",
                                   verbose=0, callbacks=[_progress_printer(on_line, pipeline)]),
     )

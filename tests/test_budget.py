@@ -154,6 +154,55 @@ def test_failed_ledger_write_grants_nothing(tmp_path, monkeypatch):
     assert budget.status() == before
 
 
+def test_full_disk_refuses_the_reservation(tmp_path, monkeypatch):
+    """ENOSPC from the filesystem while the fragment is written: refused, nothing counted."""
+    budget = _accountant(tmp_path)
+    before, rows_before = budget.status(), budget.ledger.rows()
+
+    def disk_full(path, *args, **kwargs):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(budget.ledger, "filesystem", _FailingWrites(budget.ledger.filesystem,
+                                                                    disk_full))
+    with pytest.raises(LedgerError, match="No space left on device"):
+        budget.reserve("r1", "t", Spend(0.02, 1.0, 10))
+    assert budget.status() == before
+    monkeypatch.undo()
+    assert budget.ledger.rows() == rows_before  # no fragment, not even a partial one
+    assert budget.reserve("r1", "t", Spend(0.02, 1.0, 10)).granted  # works once there is space
+
+
+class _FailingWrites:
+    """A pyarrow filesystem whose output streams fail; everything else is the real one."""
+
+    def __init__(self, real, open_output_stream):
+        self._real, self.open_output_stream = real, open_output_stream
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_reset_is_a_ledger_row_and_keeps_the_history(tmp_path):
+    budget = _accountant(tmp_path)
+    finished = budget.reserve("r1", "finished", Spend(0.02, 1.0, 100))
+    budget.settle("s1", finished.reservation, steps_done=100)
+    running = budget.reserve("r2", "running", Spend(0.05, 1.5, 40))
+    rows_before = budget.ledger.rows()
+
+    status = budget.reset("x1", "reset by tester: new data release")
+    # Settled spending stops counting; the open reservation of a live run still counts in full.
+    assert status["resets"] == 1
+    assert status["epsilon_counted"] == pytest.approx(
+        _direct_epsilon([_dpsgd(0.05, 1.5, 40)], 1e-5, "rdp"), rel=1e-9)
+    assert set(status["owners"]) == {"running"}
+    rows = budget.ledger.rows()
+    assert rows[: len(rows_before)] == rows_before  # history never rewritten
+    assert rows[-1]["kind"] == "reset" and "new data release" in rows[-1]["owner"]
+    assert budget.reset("x1", "retried") == status and len(budget.ledger.rows()) == len(rows)
+    budget.settle("s2", running.reservation, steps_done=10)  # still settles after the reset
+    assert _accountant(tmp_path).status() == budget.status()  # a restart replays the reset
+
+
 def test_bad_reservations_are_refused_with_reasons(tmp_path):
     budget = _accountant(tmp_path)
     with pytest.raises(BudgetError, match="sampling_rate must be in"):

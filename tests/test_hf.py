@@ -89,8 +89,20 @@ def test_text_column_must_hold_strings(tmp_path):
         load_data(pipeline.data, tokenizer=resolve_name_or_path(MINILM))
 
 
+CANARY = "zyxwvut quokkacanary sentence"  # words no tokenizer vocabulary holds
+
+
+def _files_holding(text: str, *folders: Path) -> list[Path]:
+    needle = text.encode()
+    return [f for folder in folders for f in folder.rglob("*")
+            if f.is_file() and needle in f.read_bytes()]
+
+
 def test_lsg_fine_tuning_on_two_workers_saves_a_reloadable_model(ray_session, tmp_path, capsys):
     _text_parquet(tmp_path / "train.parquet")
+    table = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    table[7]["sentence"] = CANARY  # a training example that must never reach records or logs
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "train.parquet")
     _text_parquet(tmp_path / "test.parquet", rows=60)
     pipeline = {
         "name": "tiny-bert-lsg",
@@ -116,4 +128,12 @@ def test_lsg_fine_tuning_on_two_workers_saves_a_reloadable_model(ray_session, tm
     for name, value in reloaded.state_dict().items():
         torch.testing.assert_close(value, trained[f"model.{name}"])
     assert (run_dir / "model" / "tokenizer.json").is_file()
-    assert "test accuracy" in capsys.readouterr().out
+    output = capsys.readouterr()
+    assert "test accuracy" in output.out
+
+    # No raw training example in the run directory, the driver's output or Ray's logs.
+    ray_logs = Path(ray_session._private.worker._global_node.get_session_dir_path()) / "logs"
+    assert ray_logs.is_dir()
+    for text in (CANARY, "quokkacanary"):
+        assert _files_holding(text, run_dir, ray_logs) == []
+        assert text not in output.out + output.err

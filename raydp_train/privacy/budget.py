@@ -132,6 +132,7 @@ class BudgetBook:
         self.answers: dict[str, dict] = {}  # request id -> the row that answered it
         self.next_seq = 0
         self.epsilon = 0.0  # of everything counted, as recorded by the last row
+        self.resets = 0
         self._accountant = make_accountant(terms.accountant)
         self._stale = False  # the accountant must be recomposed from the reservations
 
@@ -176,6 +177,17 @@ class BudgetBook:
         epsilon = float(accountant.get_epsilon(self.terms.delta))
         return self._row("settle", request_id, held.owner, reservation, used, epsilon), accountant
 
+    def reset_row(self, request_id: str, note: str):
+        """The row of a reset (`budget reset --force`) and the accountant after it.
+
+        From a reset on, settled reservations no longer count; the ledger keeps them. Open
+        reservations stay counted in full: their runs are still spending.
+        """
+        open_only = {key: held for key, held in self.reservations.items() if held.settled is None}
+        accountant = self._compose_counted(open_only)
+        epsilon = float(accountant.get_epsilon(self.terms.delta))
+        return self._row("reset", request_id, note, "", None, epsilon), accountant
+
     def apply(self, row: dict, accountant=None) -> None:
         """Take a written row into the state; `accountant` is the one of the state after it."""
         self.next_seq = row["seq"] + 1
@@ -183,6 +195,10 @@ class BudgetBook:
             self.reservations[row["reservation"]] = _Reservation(row["owner"], _spend_of(row))
         elif row["kind"] == "settle":
             self.reservations[row["reservation"]].settled = _spend_of(row)
+        elif row["kind"] == "reset":
+            self.reservations = {key: held for key, held in self.reservations.items()
+                                 if held.settled is None}
+            self.resets += 1
         if row["request_id"]:
             self.answers[row["request_id"]] = row
         self.epsilon = row["running_epsilon"]
@@ -211,6 +227,7 @@ class BudgetBook:
             "steps_spent": sum(o["steps_spent"] for o in owners.values()),
             "steps_reserved": sum(o["steps_reserved"] for o in owners.values()),
             "owners": owners,
+            "resets": self.resets,
         }
 
     def epsilon_of(self, owner_prefix: str) -> float:
@@ -224,10 +241,11 @@ class BudgetBook:
             self._accountant, self._stale = self._compose_counted(), False
         return self._accountant
 
-    def _compose_counted(self):
+    def _compose_counted(self, reservations: dict | None = None):
         """Everything counted, merged by identical mechanism (T1 + T2 steps compose as one)."""
         merged: dict[tuple, Spend] = {}
-        for number, held in enumerate(self.reservations.values()):
+        held_now = self.reservations if reservations is None else reservations
+        for number, held in enumerate(held_now.values()):
             spend = held.counted
             if spend.mechanism == "random_stopping":
                 merged[("random_stopping", number)] = spend  # each sweep is its own event
@@ -307,15 +325,18 @@ class BudgetAccountant:
         """Refuse a user whose pipeline asks for other terms or another ledger."""
         self._usable()
         if terms != self.book.terms:
+            differ = [f"budget.{key}" for key in ("epsilon", "delta", "accountant")
+                      if getattr(terms, key) != getattr(self.book.terms, key)]
             raise BudgetError(
-                f"budget '{terms.name}' was created with epsilon={self.book.terms.epsilon:g}, "
-                f"delta={self.book.terms.delta:g}, accountant={self.book.terms.accountant}; "
+                f"{', '.join(differ)}: budget '{terms.name}' was created with "
+                f"epsilon={self.book.terms.epsilon:g}, delta={self.book.terms.delta:g}, "
+                f"accountant={self.book.terms.accountant}; "
                 f"this pipeline asks for epsilon={terms.epsilon:g}, delta={terms.delta:g}, "
                 f"accountant={terms.accountant}. A budget's terms never change: use these "
                 "values or another budget name")
         if ledger_root != self.ledger_root:
-            raise BudgetError(f"budget '{terms.name}' keeps its ledger at {self.ledger_root}, "
-                              f"not {ledger_root}")
+            raise BudgetError(f"budget.ledger: budget '{terms.name}' keeps its ledger at "
+                              f"{self.ledger_root}, not {ledger_root}")
         return self.book.status()
 
     def reserve(self, request_id: str, owner: str, spend: Spend) -> Decision:
@@ -338,6 +359,13 @@ class BudgetAccountant:
 
     def status(self) -> dict:
         self._usable()
+        return self.book.status()
+
+    def reset(self, request_id: str, note: str) -> dict:
+        """Append a reset row (see BudgetBook.reset_row); returns the status after it."""
+        self._usable()
+        if request_id not in self.book.answers:
+            self._write(*self.book.reset_row(request_id, note))
         return self.book.status()
 
     def epsilon_of(self, owner_prefix: str) -> float:

@@ -1,6 +1,6 @@
 """The budget ledger: an append-only directory of immutable one-row Parquet fragments.
 
-Each change to a budget (opened, reserved, settled) is one fragment
+Each change to a budget (opened, reserved, settled, reset) is one fragment
 ``<ledger>/<budget>/<seq>-<kind>-<id>.parquet``, written to a hidden temporary name and then
 renamed, through pyarrow's filesystem layer (a local directory or a URI such as s3://...).
 A fragment is complete once its name is visible, so a reservation is durable before the
@@ -21,7 +21,7 @@ from pyarrow import fs
 LEDGER_SCHEMA = pa.schema([
     ("seq", pa.int64()),  # 0, 1, 2, ... in the order the accountant decided
     ("budget", pa.string()),
-    ("kind", pa.string()),  # open | reserve | settle
+    ("kind", pa.string()),  # open | reserve | settle | reset
     ("request_id", pa.string()),  # the caller's id: a retried call is answered, not redone
     ("owner", pa.string()),  # run or trial spending
     ("reservation", pa.string()),  # id of the reservation a settle row closes

