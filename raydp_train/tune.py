@@ -208,8 +208,12 @@ def _draw_trial_count(pipeline: Pipeline) -> int:
 
 def _trial_row(result, config) -> dict:
     metrics = result.metrics or {}
-    row = {"trial": metrics.get("trial_id", ""), **result.config}
-    stop = metrics.get("stop_reason", "failed" if result.error else "stopped by scheduler")
+    # A trial the time budget ended before it started has no config and no metrics.
+    row = {"trial": metrics.get("trial_id", ""), **dict.fromkeys(config.search_space),
+           **(result.config or {})}
+    default_stop = "failed" if result.error else ("stopped by scheduler" if metrics
+                                                  else "not started")
+    stop = metrics.get("stop_reason", default_stop)
     if stop == RUNNING:  # ASHA ended it after an epoch report
         stop = "stopped by scheduler"
     row.update(

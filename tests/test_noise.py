@@ -62,3 +62,20 @@ def test_one_draw_over_the_whole_tensor():
 
 def test_noise_std_is_sigma_times_clip():
     assert noise_std(1.5, 0.4) == pytest.approx(0.6)
+
+
+def test_large_draw_split_over_threads_is_one_independent_gaussian(monkeypatch):
+    """A draw above PARALLEL_DRAW_MIN_ENTRIES is filled in chunks by several generators: the
+    chunks must not repeat or correlate, and the whole must be N(0, std^2) and reproducible."""
+    from raydp_train.privacy import noise
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # 4 chunks on any machine
+    size, std = 4 * noise.PARALLEL_DRAW_MIN_ENTRIES, 1.5
+    drawn = _noised(size, std, make_generator(5)[0]).double()
+    assert torch.equal(drawn.float(), _noised(size, std, make_generator(5)[0]))  # reproducible
+    chunks = drawn.view(4, -1)
+    assert chunks.unique(dim=0).shape[0] == 4
+    correlation = torch.corrcoef(chunks)  # std error 1/sqrt(2^20) = 1e-3
+    assert correlation[~torch.eye(4, dtype=torch.bool)].abs().max().item() < 0.006
+    for chunk in chunks:  # each chunk: std error of the mean 1.5e-3, of the std 1e-3
+        assert abs(chunk.mean().item()) < 0.01 and abs(chunk.std().item() - std) < 0.01

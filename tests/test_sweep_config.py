@@ -92,3 +92,19 @@ def test_random_stopping_sweep_costs_repeat_and_select_of_its_worst_trial(shape)
     ours.compose(spend.dp_event())
     assert ours.get_epsilon(1e-5) == pytest.approx(oracle.get_epsilon(1e-5), rel=1e-12)
     assert spend.noise_multiplier == 1.2 and spend.steps == plan.steps
+
+
+def test_trial_rows_cover_trials_the_time_budget_never_started():
+    from types import SimpleNamespace
+
+    from raydp_train.tune import _trial_row
+
+    config = load_pipeline(SWEEP).tune
+    never_started = _trial_row(SimpleNamespace(metrics=None, config=None, error=None), config)
+    assert never_started["stop_reason"] == "not started"
+    assert set(config.search_space) <= set(never_started)  # same columns as the other rows
+    finished = _trial_row(SimpleNamespace(
+        metrics={"trial_id": "t1", "epoch": 2, "stop_reason": "completed", "epsilon": 1.5,
+                 "steps_charged": 20, "validation_accuracy": 0.8, "test_accuracy": 0.7},
+        config={"privacy.noise_multiplier": 2.0}, error=None), config)
+    assert finished["stop_reason"] == "completed" and finished["privacy.noise_multiplier"] == 2.0

@@ -2,16 +2,28 @@
 
 The generator is seeded from ``os.urandom`` ("secure") unless an explicit seed is given
 ("seeded": reproducible, for tests only, never for a release); the run record says which.
+
+torch draws normal numbers on one CPU thread, and a draw over every parameter of a model is a
+sizeable part of a step. A large draw on the CPU is therefore split into contiguous chunks,
+one per torch thread: the step's generator fills the first chunk, and each other chunk comes
+from a helper generator seeded, for this draw, by the step's generator. Every entry is still
+an independent N(0, std^2) sample and a seeded run still reproduces.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import torch
 
 NoiseMode = Literal["secure", "seeded"]
+# Below this many entries a draw runs on one thread (handing chunks to threads costs more).
+PARALLEL_DRAW_MIN_ENTRIES = 1 << 20
+_SEED_LIMIT = 1 << 62
+
+_pool: ThreadPoolExecutor | None = None
 
 
 def make_generator(
@@ -41,5 +53,32 @@ def fill_gaussian_noise_(tensor: torch.Tensor, std: float, generator: torch.Gene
         raise ValueError(f"noise std must be >= 0, got {std}")
     if std == 0.0:
         tensor.zero_()
-    else:
+        return
+    chunks = _draw_chunks(tensor)
+    if len(chunks) == 1:
         tensor.normal_(mean=0.0, std=std, generator=generator)
+        return
+    seeds = torch.randint(_SEED_LIMIT, (len(chunks) - 1,), generator=generator).tolist()
+    helpers = [torch.Generator().manual_seed(seed) for seed in seeds]
+    pending = [_thread_pool().submit(chunk.normal_, mean=0.0, std=std, generator=helper)
+               for chunk, helper in zip(chunks[1:], helpers, strict=True)]
+    chunks[0].normal_(mean=0.0, std=std, generator=generator)
+    for done in pending:
+        done.result()
+
+
+def _draw_chunks(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensor as contiguous pieces, one per torch thread for a large CPU tensor."""
+    threads = torch.get_num_threads()
+    if (tensor.device.type != "cpu" or not tensor.is_contiguous() or threads < 2
+            or tensor.numel() < PARALLEL_DRAW_MIN_ENTRIES):
+        return [tensor]
+    return list(tensor.view(-1).chunk(threads))
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                   thread_name_prefix="noise")
+    return _pool
