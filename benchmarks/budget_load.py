@@ -28,7 +28,7 @@ import ray
 import yaml
 
 from raydp_train.budget_actor import actor_name
-from raydp_train.budget_report import budget_status, ledger_rows
+from raydp_train.budget_report import ledger_rows
 from raydp_train.pipeline import pipeline_from_dict
 from raydp_train.privacy.budget import NAMESPACE, replay
 from raydp_train.tune import run_sweep
@@ -66,24 +66,15 @@ def _kill_periodically(name: str, stop: threading.Event, kills: list) -> None:
             pass
 
 
-def _steps_counted(rows: list[dict]) -> dict[str, int]:
-    """Per owner: settled steps, or the full reservation while it is open."""
-    settled = {r["reservation"]: r["steps"] for r in rows if r["kind"] == "settle"}
-    counted: dict[str, int] = {}
-    for row in rows:
-        if row["kind"] == "reserve":
-            steps = settled.get(row["reservation"], row["steps"])
-            counted[row["owner"]] = counted.get(row["owner"], 0) + steps
-    return counted
-
-
 def check_ledger(name: str, ledger: str, trials: list[dict], started: float,
                  ended: float) -> dict:
     rows = ledger_rows(name, ledger)  # raises on a gap, a duplicate or an unreadable fragment
     book = replay(rows)  # raises unless the events recompose to the recorded epsilon
-    status = budget_status(name, ledger)
+    status = book.status()
     request_ids = [r["request_id"] for r in rows if r["request_id"]]
-    counted = _steps_counted(rows)
+    # Per owner: settled steps, or the full reservation while it is open.
+    counted = {owner: entry["steps_spent"] + entry["steps_reserved"]
+               for owner, entry in status["owners"].items()}
     mismatched = [t["trial"] for t in trials
                   if t["stop_reason"] in ("completed", "budget exhausted")
                   and counted.get(_owner(rows, t["trial"]), 0) != t["steps_charged"]]

@@ -183,8 +183,7 @@ class BudgetBook:
         From a reset on, settled reservations no longer count; the ledger keeps them. Open
         reservations stay counted in full: their runs are still spending.
         """
-        open_only = {key: held for key, held in self.reservations.items() if held.settled is None}
-        accountant = self._compose_counted(open_only)
+        accountant = self._compose_counted(self._open_reservations())
         epsilon = float(accountant.get_epsilon(self.terms.delta))
         return self._row("reset", request_id, note, "", None, epsilon), accountant
 
@@ -196,8 +195,7 @@ class BudgetBook:
         elif row["kind"] == "settle":
             self.reservations[row["reservation"]].settled = _spend_of(row)
         elif row["kind"] == "reset":
-            self.reservations = {key: held for key, held in self.reservations.items()
-                                 if held.settled is None}
+            self.reservations = self._open_reservations()
             self.resets += 1
         if row["request_id"]:
             self.answers[row["request_id"]] = row
@@ -235,6 +233,9 @@ class BudgetBook:
         events = [h.counted.dp_event() for h in self.reservations.values()
                   if h.owner.startswith(owner_prefix)]
         return composed_epsilon(events, self.terms.delta, self.terms.accountant) if events else 0.0
+
+    def _open_reservations(self) -> dict[str, _Reservation]:
+        return {key: held for key, held in self.reservations.items() if held.settled is None}
 
     def _counted(self):
         if self._stale:
