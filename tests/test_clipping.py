@@ -143,6 +143,61 @@ def test_linear_on_sequences_mixes_ghost_and_materialized_norms():
     assert_matches_oracle(model, ids, torch.randint(0, 2, (10,)), cross_entropy)
 
 
+class MaskedSequenceModel(nn.Module):
+    """Sequences [B, T, 5] whose last channel is a 0/1 token mask: masked tokens get an output
+    gradient of exactly zero in both Linear layers, as padding does behind attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = nn.Linear(4, 8)  # T' = 4 kept tokens: 2*16 <= 4*8 -> ghost norm
+        self.narrow = nn.Linear(8, 3)  # 2*16 > 8*3 -> materialized
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        features, mask = x[..., :4], x[..., 4:]
+        h = self.narrow(torch.tanh(self.wide(features) * mask)) * mask
+        return self.head(h.sum(1))
+
+
+def test_padding_rows_are_dropped_and_the_result_is_exact(monkeypatch):
+    from raydp_train.privacy import layer_rules
+
+    torch.manual_seed(9)
+    lengths = [4, 1, 3, 2, 4, 3]  # of T = 7: the last 3 positions are padding everywhere
+    x = torch.randn(len(lengths), 7, 5)
+    x[..., 4] = (torch.arange(7) < torch.tensor(lengths).unsqueeze(1)).double()
+    trimmed = []
+    original = layer_rules.drop_padding
+
+    def spy(a, g):
+        kept = original(a, g)
+        trimmed.append((kept[1].shape[1], None if kept[2] is None else len(kept[2])))
+        return kept
+
+    monkeypatch.setattr(layer_rules, "drop_padding", spy)
+    assert_matches_oracle(MaskedSequenceModel(), x, torch.randint(0, 2, (6,)), cross_entropy)
+    # Both sequence layers kept 4 of 7 positions and only the 17 real tokens' rows; the head
+    # sees one vector per example.
+    assert trimmed == [(4, sum(lengths)), (4, sum(lengths)), (1, None)]
+
+
+def test_drop_padding_keeps_every_nonzero_row_and_leaves_dense_batches_alone():
+    from raydp_train.privacy.layer_rules import drop_padding
+
+    a, g = torch.randn(3, 5, 4), torch.randn(3, 5, 2)
+    assert drop_padding(a, g)[2] is None and drop_padding(a, g)[1] is g
+    g[:, 3:] = 0  # trailing padding in every example
+    g[0, 2] = 0  # a zero row inside example 0
+    g[2, 1:] = 0  # example 2 has one token
+    kept_a, kept_g, rows = drop_padding(a, g)
+    assert kept_a.shape == (3, 3, 4) and kept_g.shape == (3, 3, 2)
+    assert rows.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [1, 2], [2, 0]]
+    assert torch.equal(kept_a, a[:, :3])
+    g.zero_()  # no gradient at all: one position is kept, no row
+    kept_a, _, rows = drop_padding(a, g)
+    assert kept_a.shape[1] == 1 and rows.numel() == 0
+
+
 def test_conv2d_with_stride_dilation_same_padding_and_groups():
     torch.manual_seed(2)
     x, y = torch.randn(8, 2, 6, 6), torch.randint(0, 3, (8,))
@@ -232,6 +287,28 @@ def test_tied_parameters_are_refused():
     model["out"].weight = model["embed"].weight
     with pytest.raises(UnsupportedLayerError, match="tied"):
         PerExampleClipper(model, 1.0)
+
+
+def test_layer_input_changed_in_place_after_the_layer_is_refused():
+    """The engine reads each layer's input after the backward: an in-place change in between
+    would give wrong norms, so it must raise instead."""
+
+    class InPlaceResidual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            x = x * 1.0  # a fresh activation the model owns
+            out = self.inner(x)
+            x += out  # modifies inner's input after inner ran
+            return self.head(x)
+
+    model = InPlaceResidual()
+    clipper = PerExampleClipper(model, 1.0)
+    x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
+    with pytest.raises(ValueError, match="'inner' .* modified in place"):
+        clipper.accumulate(lambda: cross_entropy(model(x), y))
 
 
 def test_broadcast_leading_dimension_is_refused():

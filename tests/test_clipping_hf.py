@@ -42,6 +42,25 @@ def test_bert_with_broadcast_position_ids_is_refused():
         clipper.accumulate(losses, model, ids, labels, False)
 
 
+def test_query_key_and_value_share_one_input_gram(monkeypatch):
+    """Q, K and V read one tensor: its Gram matrix is formed once per layer and reused."""
+    from raydp_train.privacy import layer_rules
+
+    reused, original = [], layer_rules.linear_weight_norm
+
+    def spy(a, g, gram_cache, key):
+        reused.append(key is not None and key in gram_cache)
+        return original(a, g, gram_cache, key)
+
+    monkeypatch.setattr(layer_rules, "linear_weight_norm", spy)
+    model = tiny_bert()
+    ids, labels = torch.randint(0, 40, (BATCH, TOKENS)), torch.randint(0, 2, (BATCH,))
+    PerExampleClipper(model, 1.0).accumulate(losses, model, ids, labels)
+    # Layer 0: K and V reuse Q's Gram. Layer 1 (the last): only the [CLS] query has a
+    # gradient, so Q keeps one token and K, V share theirs.
+    assert sum(reused) == 3
+
+
 TINY = {"hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32,
         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 ARCHITECTURES = {
@@ -67,20 +86,26 @@ def _classifier(kind: str):
     return build_hf_model(config, num_labels=2).double()
 
 
-def _padded_tokens(pad_id: int) -> torch.Tensor:
-    """[B, 2, T]: ids and attention mask, examples of lengths 7, 5, 3, 7, 4 padded on the right."""
-    ids = torch.randint(2, 40, (BATCH, TOKENS))
-    mask = torch.zeros(BATCH, TOKENS, dtype=torch.long)
-    for i, length in enumerate((7, 5, 3, 7, 4)):
+# Example lengths and T: the last position in use, or padding at the end of every example
+# (the engine then drops those positions and every padded row).
+LAYOUTS = {"dense-end": ((7, 5, 3, 7, 4), 7), "padded-end": ((6, 5, 3, 2, 4), 9)}
+
+
+def _padded_tokens(pad_id: int, lengths: tuple, tokens: int) -> torch.Tensor:
+    """[B, 2, T]: ids and attention mask, examples of the given lengths padded on the right."""
+    ids = torch.randint(2, 40, (BATCH, tokens))
+    mask = torch.zeros(BATCH, tokens, dtype=torch.long)
+    for i, length in enumerate(lengths):
         mask[i, :length] = 1
     return torch.stack([ids.masked_fill(mask == 0, pad_id), mask], dim=1)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kind", list(ARCHITECTURES))
-def test_transformer_clipped_sum_matches_naive_loop_with_padding(kind):
+def test_transformer_clipped_sum_matches_naive_loop_with_padding(kind, layout):
     model = _classifier(kind)
     pad_id = model.model.config.pad_token_id or 0
-    tokens, labels = _padded_tokens(pad_id), torch.randint(0, 2, (BATCH,))
+    tokens, labels = _padded_tokens(pad_id, *LAYOUTS[layout]), torch.randint(0, 2, (BATCH,))
 
     def example_losses(model, tokens, labels):
         return F.cross_entropy(model(tokens), labels, reduction="none")

@@ -105,6 +105,25 @@ def test_carrier_gradients_match_a_reparametrized_linear_layer():
     oracle_and_engine(sequence_model, sequences, y)
 
 
+class FirstTokens(nn.Module):
+    """Keeps the first k tokens: the others get an output gradient of exactly zero."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x[:, : self.k]
+
+
+def test_carrier_gradients_match_with_gradient_free_trailing_tokens():
+    def model():
+        return nn.Sequential(nn.Linear(7, 6), nn.Tanh(), FirstTokens(2), nn.Flatten(),
+                             nn.Linear(12, 3))
+
+    oracle_and_engine(model, torch.randn(9, 5, 7), torch.randint(0, 3, (9,)))
+
+
 def test_carrier_gradients_match_a_reparametrized_conv_layer():
     def model():
         return nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.ReLU(), nn.Flatten(),

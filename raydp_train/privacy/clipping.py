@@ -119,6 +119,7 @@ class PerExampleClipper:
         calls = self._calls.setdefault(module, LayerCalls())
         call_index = len(calls.inputs)
         calls.inputs.append(inputs[0].detach())
+        calls.input_versions.append(inputs[0]._version)
         calls.output_grads.append(None)
         if not output.requires_grad:
             # Covered parameters do not require grad here, so nothing before this layer
@@ -165,7 +166,13 @@ class PerExampleClipper:
             calls = self._calls.get(module)
             if calls is None:
                 continue
-            for x in calls.inputs:
+            for x, version in zip(calls.inputs, calls.input_versions, strict=True):
+                if x._version != version:
+                    raise ValueError(
+                        f"the input of module '{name}' ({type(module).__name__}) was modified "
+                        "in place after the layer ran; per-example clipping needs layer inputs "
+                        "unchanged until the backward pass (use an out-of-place operation)"
+                    )
                 if x.shape[0] != batch_size:
                     raise BatchDimensionError(
                         f"module '{name}' ({type(module).__name__}) was called with leading "

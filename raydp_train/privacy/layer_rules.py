@@ -28,6 +28,9 @@ class LayerCalls:
 
     inputs: list[Tensor] = field(default_factory=list)
     output_grads: list[Tensor | None] = field(default_factory=list)
+    # Each input's version counter when the layer ran: an in-place change after that would
+    # make the recorded input (a detached alias) differ from what the layer saw.
+    input_versions: list[int] = field(default_factory=list)
     # Filled by squared_norms, reused by add_clipped_sum (same backward pass).
     state: dict = field(default_factory=dict)
 
@@ -45,7 +48,7 @@ class Rule:
 # ---------------------------------------------------------------------------- Linear family
 
 
-def linear_weight_norm(a: Tensor, g: Tensor, gram_cache: dict, key: int | None) -> tuple:
+def linear_weight_norm(a: Tensor, g: Tensor, gram_cache: dict, key) -> tuple:
     """||G_i^T a_i||_F^2 for a [B,T,m], g [B,T,n]; returns (norms, per-example grads or None).
 
     Ghost: <a a^T, G G^T>, O(T^2 (m+n)), when 2 T^2 <= m n; otherwise materialize G_i^T a_i.
@@ -67,18 +70,52 @@ def linear_weight_norm(a: Tensor, g: Tensor, gram_cache: dict, key: int | None) 
 
 
 def add_linear_clipped_sum(
-    grad: Tensor, a: Tensor, g: Tensor, clip_factors: Tensor, per_example
+    grad: Tensor, a: Tensor, g: Tensor, clip_factors: Tensor, per_example, rows=None
 ) -> None:
-    """grad += sum_i c_i G_i^T a_i as ONE matmul over all (i, t) (or from materialized grads)."""
+    """grad += sum_i c_i G_i^T a_i as ONE matmul over all (i, t) (or from materialized grads).
+
+    `rows` ([K, 2] (example, token) pairs, from `drop_padding`) limits the matmul to the
+    tokens whose output gradient is nonzero; the others add exactly nothing.
+    """
     if per_example is not None:
         grad.add_(torch.einsum("b,bnm->nm", clip_factors, per_example))
         return
-    scale = clip_factors.view(-1, 1, 1)
-    if g.shape[2] <= a.shape[2]:
+    if rows is None:
+        scale = clip_factors.view(-1, 1, 1)
+    else:
+        examples, tokens = rows.unbind(1)
+        a, g = a[examples, tokens], g[examples, tokens]
+        scale = clip_factors[examples].unsqueeze(1)
+    if g.shape[-1] <= a.shape[-1]:
         g = g * scale
     else:
         a = a * scale
-    grad.addmm_(g.reshape(-1, g.shape[2]).t(), a.reshape(-1, a.shape[2]))
+    grad.addmm_(g.reshape(-1, g.shape[-1]).t(), a.reshape(-1, a.shape[-1]))
+
+
+def drop_padding(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Drop the token positions that padding leaves without gradient; exact.
+
+    Right padding behind an attention mask gets an output gradient of exactly zero, and a
+    zero gradient row adds nothing to G^T a, to G G^T or to sum_t G. So the trailing
+    positions whose gradient is zero in every example are cut from a [B,T,m] and g [B,T,n],
+    and the (example, token) pairs left with a nonzero gradient are returned as `rows`
+    ([K, 2]) for the clipped sum. A batch whose last position is in use costs one look at
+    g[:, -1] and comes back unchanged, with rows None.
+    """
+    if g.shape[1] == 1 or g[:, -1].any():
+        return a, g, None
+    in_use = g.abs().amax(2) != 0  # [B, T]; NaN counts as in use. One cheap pass over g.
+    positions = in_use.any(0).nonzero()
+    kept = int(positions[-1]) + 1 if positions.numel() else 1
+    return a[:, :kept], g[:, :kept], in_use[:, :kept].nonzero()
+
+
+def _gram_key(x: Tensor, kept_tokens: int) -> tuple:
+    """Identifies a layer input by its memory, not the Python object: each hook recorded its
+    own `detach()` of the one tensor that Q, K and V read (inputs are checked unchanged since
+    their layers ran). Valid for single calls (a stacked input is a new tensor)."""
+    return x.data_ptr(), tuple(x.shape), x.stride(), kept_tokens
 
 
 def _cat_tokens(tensors: list[Tensor]) -> Tensor:
@@ -101,12 +138,11 @@ class LinearRule(Rule):
         return _cat_tokens([a for a, _ in pairs]), _cat_tokens([g for _, g in pairs])
 
     def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
-        a, g = self.stacked_tokens(module, calls)
-        calls.state.update(a=a, g=g)
+        a, g, rows = drop_padding(*self.stacked_tokens(module, calls))
+        calls.state.update(a=a, g=g, rows=rows)
         norms = a.new_zeros(a.shape[0])
         if "weight" in slots:
-            # The Gram cache is keyed by the recorded input: valid only for single calls.
-            key = id(calls.inputs[0]) if len(calls.inputs) == 1 else None
+            key = _gram_key(calls.inputs[0], a.shape[1]) if len(calls.inputs) == 1 else None
             per_group = []
             for a_part, g_part in self._group_slices(module, a, g):
                 group_norms, per_example = linear_weight_norm(
@@ -126,12 +162,13 @@ class LinearRule(Rule):
         if "weight" in slots:
             # Group k of a grouped conv owns rows [k n/groups, (k+1) n/groups) of the weight.
             groups = self.groups(module)
-            rows = slots["weight"].view(groups, -1, a.shape[2] // groups)
+            blocks = slots["weight"].view(groups, -1, a.shape[2] // groups)
             slices = self._group_slices(module, a, g)
             for block, (a_part, g_part), per_example in zip(
-                rows, slices, calls.state["per_example"]
+                blocks, slices, calls.state["per_example"]
             ):
-                add_linear_clipped_sum(block, a_part, g_part, clip_factors, per_example)
+                add_linear_clipped_sum(block, a_part, g_part, clip_factors, per_example,
+                                       calls.state["rows"])
         if "bias" in slots:
             slots["bias"].add_(clip_factors @ calls.state["bias_grads"])
 
@@ -258,11 +295,20 @@ def _sum_to_parameter(values: Tensor, param_dims: int) -> Tensor:
     return values.sum(middle) if middle else values
 
 
+def _drop_padded_tokens(x: Tensor, g: Tensor, normalized_dims: int) -> tuple[Tensor, Tensor]:
+    """A norm over the last axis of [B, T, d] tokens: cut the trailing gradient-free ones."""
+    if x.dim() != 3 or normalized_dims != 1:
+        return x, g
+    x, g, _ = drop_padding(x, g)
+    return x, g
+
+
 class LayerNormRule(MaterializedRule):
     """gamma_i = sum_t G_i[t] * xhat_i[t], beta_i = sum_t G_i[t] over the non-normalized axes."""
 
     def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
         shape = module.normalized_shape
+        x, g = _drop_padded_tokens(x, g, len(shape))
         normalized = F.layer_norm(x, shape, eps=module.eps)
         grads = {"weight": _sum_to_parameter(g * normalized, len(shape))}
         if getattr(module, "bias", None) is not None:
@@ -275,6 +321,7 @@ class RMSNormRule(MaterializedRule):
 
     def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
         shape = module.normalized_shape
+        x, g = _drop_padded_tokens(x, g, len(shape))
         normalized = F.rms_norm(x, shape, eps=module.eps)
         return {"weight": _sum_to_parameter(g * normalized, len(shape))}
 

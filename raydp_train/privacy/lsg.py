@@ -25,6 +25,7 @@ from raydp_train.privacy.layer_rules import (
     LinearRule,
     UnsupportedLayerError,
     add_linear_clipped_sum,
+    drop_padding,
     linear_weight_norm,
     rule_for,
 )
@@ -87,14 +88,15 @@ class LowRankRule:
 
     def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
         carriers = self.carriers[module]
-        a, g = self.base.stacked_tokens(module, calls)
+        a, g, rows = drop_padding(*self.base.stacked_tokens(module, calls))
         # Mask before the norms, so the clipping budget is spent on kept entries only.
         left_in, left_out = a @ carriers.right.t(), g * carriers.kept_rows
         right_in, right_out = a * carriers.kept_columns, g @ carriers.left
         norms_left, left_examples = linear_weight_norm(left_in, left_out, gram_cache, None)
         norms_right, right_examples = linear_weight_norm(right_in, right_out, gram_cache, None)
         calls.state.update(
-            left=(left_in, left_out, left_examples), right=(right_in, right_out, right_examples)
+            left=(left_in, left_out, left_examples), right=(right_in, right_out, right_examples),
+            rows=rows,
         )
         norms = norms_left + norms_right
         if "bias" in slots:
@@ -103,10 +105,11 @@ class LowRankRule:
         return norms
 
     def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
-        add_linear_clipped_sum(slots["carrier_L"], *calls.state["left"][:2], clip_factors,
-                                calls.state["left"][2])
-        add_linear_clipped_sum(slots["carrier_R"], *calls.state["right"][:2], clip_factors,
-                                calls.state["right"][2])
+        rows = calls.state["rows"]
+        for slot, side in (("carrier_L", "left"), ("carrier_R", "right")):
+            layer_in, layer_out, per_example = calls.state[side]
+            add_linear_clipped_sum(slots[slot], layer_in, layer_out, clip_factors, per_example,
+                                   rows)
         if "bias" in slots:
             slots["bias"].add_(clip_factors @ calls.state["bias_grads"])
 
