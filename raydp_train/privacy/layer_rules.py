@@ -115,7 +115,7 @@ def _gram_key(x: Tensor, kept_tokens: int) -> tuple:
     """Identifies a layer input by its memory, not the Python object: each hook recorded its
     own `detach()` of the one tensor that Q, K and V read (inputs are checked unchanged since
     their layers ran). Valid for single calls (a stacked input is a new tensor)."""
-    return x.data_ptr(), tuple(x.shape), x.stride(), kept_tokens
+    return x.data_ptr(), x.dtype, tuple(x.shape), x.stride(), kept_tokens
 
 
 def _cat_tokens(tensors: list[Tensor]) -> Tensor:
