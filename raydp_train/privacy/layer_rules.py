@@ -48,7 +48,7 @@ class Rule:
 # ---------------------------------------------------------------------------- Linear family
 
 
-def linear_weight_norm(a: Tensor, g: Tensor, gram_cache: dict, key) -> tuple:
+def linear_weight_norm(a: Tensor, g: Tensor, gram_cache: dict, key: tuple | None) -> tuple:
     """||G_i^T a_i||_F^2 for a [B,T,m], g [B,T,n]; returns (norms, per-example grads or None).
 
     Ghost: <a a^T, G G^T>, O(T^2 (m+n)), when 2 T^2 <= m n; otherwise materialize G_i^T a_i.
@@ -133,12 +133,14 @@ class LinearRule(Rule):
     def groups(self, module: nn.Module) -> int:
         return 1
 
-    def stacked_tokens(self, module, calls: LayerCalls) -> tuple[Tensor, Tensor]:
+    def stacked_tokens(self, module, calls: LayerCalls) -> tuple[Tensor, Tensor, Tensor | None]:
+        """All calls as one [B, T, m] input and [B, T, n] output gradient, with the positions
+        padding left without gradient dropped (`drop_padding`: the kept rows, or None)."""
         pairs = [self.tokens(module, x, g) for x, g in zip(calls.inputs, calls.output_grads)]
-        return _cat_tokens([a for a, _ in pairs]), _cat_tokens([g for _, g in pairs])
+        return drop_padding(_cat_tokens([a for a, _ in pairs]), _cat_tokens([g for _, g in pairs]))
 
     def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
-        a, g, rows = drop_padding(*self.stacked_tokens(module, calls))
+        a, g, rows = self.stacked_tokens(module, calls)
         calls.state.update(a=a, g=g, rows=rows)
         norms = a.new_zeros(a.shape[0])
         if "weight" in slots:

@@ -25,7 +25,6 @@ from raydp_train.privacy.layer_rules import (
     LinearRule,
     UnsupportedLayerError,
     add_linear_clipped_sum,
-    drop_padding,
     linear_weight_norm,
     rule_for,
 )
@@ -88,7 +87,7 @@ class LowRankRule:
 
     def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
         carriers = self.carriers[module]
-        a, g, rows = drop_padding(*self.base.stacked_tokens(module, calls))
+        a, g, rows = self.base.stacked_tokens(module, calls)
         # Mask before the norms, so the clipping budget is spent on kept entries only.
         left_in, left_out = a @ carriers.right.t(), g * carriers.kept_rows
         right_in, right_out = a * carriers.kept_columns, g @ carriers.left
