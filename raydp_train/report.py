@@ -7,6 +7,7 @@ A run directory holds `pipeline.yaml` (resolved), `metrics.parquet` (one row per
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 from pathlib import Path
@@ -75,6 +76,13 @@ def training_statement(pipeline: Pipeline, result) -> dict:
     }
 
 
+def raydp_train_version() -> str:
+    try:
+        return importlib.metadata.version("raydp-train")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def write_run_record(
     run_dir: Path, pipeline: Pipeline, result, privacy: dict
 ) -> Path:
@@ -87,6 +95,8 @@ def write_run_record(
         "privacy": privacy,
         "training": training_statement(pipeline, result),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # Which engine produced the run: CHANGELOG.md says which versions to distrust for what.
+        "raydp_train_version": raydp_train_version(),
     }
     path = run_dir / "record.json"
     path.write_text(json.dumps(record, indent=2))

@@ -23,3 +23,10 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--long", nargs="?", type=int, const=5000, default=None,
+        help="randomized soundness suite: check N generated models (default 5000) instead of 300",
+    )

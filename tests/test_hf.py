@@ -1,6 +1,7 @@
 """Hugging Face models and text data: loading, trainable layers, Ray Data tokenization, and an
 LSG fine-tuning run on Ray Train whose saved model reloads with transformers alone."""
 
+import importlib.metadata
 import json
 from pathlib import Path
 
@@ -121,6 +122,7 @@ def test_lsg_fine_tuning_on_two_workers_saves_a_reloadable_model(ray_session, tm
     (run_dir,) = (tmp_path / "runs").iterdir()
     record = json.loads((run_dir / "record.json").read_text())
     assert record["privacy"]["steps"] == 2 * 240 // 40 and record["privacy"]["workers"] == 2
+    assert record["raydp_train_version"] == importlib.metadata.version("raydp-train")
     assert record["training"]["trained_numbers_per_step"] < record["training"]["model_parameters"]
 
     reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(run_dir / "model")

@@ -12,6 +12,7 @@ parameter's `.grad`) is a view of one flat buffer, so noise and all-reduce act o
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -20,8 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from raydp_train.privacy.layer_rules import LayerCalls, UnsupportedLayerError, rule_for
+from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
 
-__all__ = ["BatchDimensionError", "MicroBatchStats", "PerExampleClipper", "UnsupportedLayerError"]
+__all__ = [
+    "BatchDimensionError", "MicroBatchStats", "ParameterUseError", "PerExampleClipper",
+    "UnsupportedLayerError",
+]
 
 
 class BatchDimensionError(ValueError):
@@ -42,6 +47,7 @@ class PerExampleClipper:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         self.model = model
         self.clip_norm = float(clip_norm)
+        _refuse_batch_second(model)
         self.layers = _covered_layers(model, rules or {})
         self.parameters = [p for _, module, _ in self.layers for p in _own_trainable(module)]
         if not self.parameters:
@@ -68,25 +74,37 @@ class PerExampleClipper:
             if module._parameters.get(name) is not None
         ]
         self._calls: dict[nn.Module, LayerCalls] = {}
+        self._audit = ParameterUseAudit(model, {module: name for name, module, _ in self.layers})
+        self._audited_patterns: set[tuple] = set()
         self._recording = False
         self._ghost_leaf = torch.zeros((), dtype=first.dtype, device=first.device)
         self._ghost_leaf.requires_grad_(True)
-        self._handles = [module.register_forward_hook(self._on_forward) for _, module, _ in self.layers]
+        self._handles = [
+            module.register_forward_hook(self._on_forward, with_kwargs=True)
+            for _, module, _ in self.layers
+        ]
 
     # ------------------------------------------------------------------ public
     def accumulate(self, compute_losses: Callable[..., Tensor], *args) -> MicroBatchStats:
         """Run forward + backward of one micro-batch; add its clipped sum to `flat_grad`.
 
         `compute_losses(*args)` runs the model and returns the per-example loss vector [B]
-        (the engine owns the reduction).
+        (the engine owns the reduction). The first micro-batch, and any later one whose layer
+        calls differ from every audited one, is audited (parameter_uses.py): a trained
+        parameter used outside its layer's forward is refused before anything is summed.
         """
         self.bind_grads()
-        self._calls = {}
-        with self._ghost_differentiation():
-            losses = compute_losses(*args)
-            self._check_losses(losses)
-            losses.sum().backward()
+        audit = not self._audited_patterns
+        losses = self._forward_backward(compute_losses, args, audit)
+        if losses.shape[0] and self._call_pattern() not in self._audited_patterns:
+            # The layers were called in a way no audited pass saw: run this one audited.
+            audit = True
+            losses = self._forward_backward(compute_losses, args, audit)
         try:
+            if losses.shape[0] == 0:  # an empty micro-batch adds nothing
+                return MicroBatchStats(losses.detach(), losses.detach().clone())
+            if audit:
+                self._audited_patterns.add(self._call_pattern())
             return MicroBatchStats(losses.detach(), self._clip_and_sum(losses.shape[0]))
         finally:
             self._calls = {}
@@ -113,24 +131,50 @@ class PerExampleClipper:
         self._handles = []
 
     # ------------------------------------------------------------------ hooks
-    def _on_forward(self, module: nn.Module, inputs: tuple, output: Tensor):
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
         if not self._recording or not isinstance(output, Tensor):
             return None
+        layer_input = _layer_input(module, args, kwargs)
         calls = self._calls.setdefault(module, LayerCalls())
         call_index = len(calls.inputs)
-        calls.inputs.append(inputs[0].detach())
-        calls.input_versions.append(inputs[0]._version)
+        calls.inputs.append(layer_input.detach())
+        calls.input_versions.append(layer_input._version)
         calls.output_grads.append(None)
         if not output.requires_grad:
             # Covered parameters do not require grad here, so nothing before this layer
             # does either: join the graph through a zero leaf so the backward reaches us.
             output = output + self._ghost_leaf
 
-        def keep_grad(grad: Tensor) -> None:
-            calls.output_grads[call_index] = grad.detach()
+        shape = output.shape
 
-        output.register_hook(keep_grad)
-        return output
+        def keep_grad(grad: Tensor) -> None:
+            calls.output_grads[call_index] = grad.detach().reshape(shape)
+
+        return _hooked_output(output, keep_grad)
+
+    def _forward_backward(self, compute_losses: Callable[..., Tensor], args: tuple,
+                          audit: bool) -> Tensor:
+        """One forward and backward under the hooks; the per-example losses."""
+        self._calls = {}
+        context = self._audited_differentiation() if audit else self._ghost_differentiation()
+        with context:
+            losses = compute_losses(*args)
+            self._check_losses(losses)
+            if losses.shape[0]:
+                self._backward(losses)
+        return losses
+
+    def _backward(self, losses: Tensor) -> None:
+        try:
+            losses.sum().backward()
+        except RuntimeError:
+            # Autograd refuses a tensor it saved and the model then changed in place; when
+            # that tensor is a layer's input, say which layer.
+            self._check_inputs_unchanged()
+            raise
+
+    def _call_pattern(self) -> tuple:
+        return tuple((id(module), len(calls.inputs)) for module, calls in self._calls.items())
 
     @contextmanager
     def _ghost_differentiation(self) -> Iterator[None]:
@@ -145,6 +189,22 @@ class PerExampleClipper:
                 p.requires_grad_(True)
             self._ghost_leaf.grad = None
 
+    @contextmanager
+    def _audited_differentiation(self) -> Iterator[None]:
+        """The covered parameters keep requiring grad, so the audit sees every differentiable
+        use of them; autograd's own (unclipped) gradients are thrown away afterwards."""
+        for p in self.parameters:
+            p.grad = None  # autograd must not add into the flat buffer
+        self._recording = True
+        try:
+            with self._audit.watching():
+                yield
+        finally:
+            self._recording = False
+            for p in self.parameters:
+                p.grad = None
+            self.bind_grads()
+
     # ------------------------------------------------------------------ math
     def _clip_and_sum(self, batch_size: int) -> Tensor:
         used = self._used_layers(batch_size)
@@ -153,7 +213,8 @@ class PerExampleClipper:
         for _, module, rule in used:
             slots = self.slots[module]
             squared = squared + rule.squared_norms(module, self._calls[module], slots, gram_cache)
-        norms = squared.sqrt()
+        # The Gram shortcut <a a^T, G G^T> can cancel to a tiny negative number.
+        norms = squared.clamp(min=0).sqrt()
         clip_factors = self.clip_norm / norms.clamp(min=self.clip_norm)
         for _, module, rule in used:
             rule.add_clipped_sum(module, self._calls[module], clip_factors, self.slots[module])
@@ -161,18 +222,13 @@ class PerExampleClipper:
 
     def _used_layers(self, batch_size: int) -> list:
         """Layers that took part in the loss, after checking their example dimension."""
+        self._check_inputs_unchanged()
         used = []
         for name, module, rule in self.layers:
             calls = self._calls.get(module)
             if calls is None:
                 continue
-            for x, version in zip(calls.inputs, calls.input_versions, strict=True):
-                if x._version != version:
-                    raise ValueError(
-                        f"the input of module '{name}' ({type(module).__name__}) was modified "
-                        "in place after the layer ran; per-example clipping needs layer inputs "
-                        "unchanged until the backward pass (use an out-of-place operation)"
-                    )
+            for x in calls.inputs:
                 if x.shape[0] != batch_size:
                     raise BatchDimensionError(
                         f"module '{name}' ({type(module).__name__}) was called with leading "
@@ -187,6 +243,17 @@ class PerExampleClipper:
                 used.append((name, module, rule))
         return used
 
+    def _check_inputs_unchanged(self) -> None:
+        for name, module, _ in self.layers:
+            calls = self._calls.get(module)
+            for x, version in zip(calls.inputs, calls.input_versions) if calls else ():
+                if x._version != version:
+                    raise ValueError(
+                        f"the input of module '{name}' ({type(module).__name__}) was modified "
+                        "in place after the layer ran; per-example clipping needs layer inputs "
+                        "unchanged until the backward pass (use an out-of-place operation)"
+                    )
+
     def _check_losses(self, losses: Tensor) -> None:
         if not isinstance(losses, Tensor) or losses.dim() != 1:
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
@@ -197,8 +264,59 @@ class PerExampleClipper:
             raise ValueError("the loss does not depend on any trainable parameter")
 
 
+def _layer_input(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+    """The first argument of the layer's forward, passed by position or by keyword."""
+    if args:
+        return args[0]
+    name = next(iter(inspect.signature(module.forward).parameters))
+    return kwargs[name]
+
+
+def _hooked_output(output: Tensor, keep_grad: Callable[[Tensor], None]) -> Tensor:
+    """`output`, hooked so that `keep_grad` gets dLoss/d(output) even if the model then
+    changes it in place.
+
+    A hook on a tensor changed in place still receives the gradient of its value before the
+    change, unless the tensor is a view (F.linear on [B, T, m] with a bias returns one, and so
+    does GPT-2's Conv1D): an in-place change to a view re-routes the backward through its base,
+    and a hook on the view never fires. So a view that reshapes its whole base is hooked on the
+    base (same numbers, same order); any other view is replaced by a copy.
+    """
+    base = output._base
+    if base is None:
+        output.register_hook(keep_grad)
+        return output
+    if _reshapes_whole_base(output, base):
+        base.register_hook(keep_grad)
+        return output
+    output = output.clone()
+    output.register_hook(keep_grad)
+    return output
+
+
+def _reshapes_whole_base(view: Tensor, base: Tensor) -> bool:
+    return (
+        view.is_contiguous() and base.is_contiguous() and view.numel() == base.numel()
+        and view.storage_offset() == base.storage_offset()
+    )
+
+
 def _own_trainable(module: nn.Module) -> list[Tensor]:
     return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+def _refuse_batch_second(model: nn.Module) -> None:
+    """Layers under a module that declares [T, B, ...] inputs would read tokens as examples
+    (undetectable when T == B), so such a module must not hold trained parameters."""
+    for name, module in model.named_modules():
+        if getattr(module, "batch_first", True) is False and any(
+            p.requires_grad for p in module.parameters()
+        ):
+            raise BatchDimensionError(
+                f"module '{name or '<root>'}' ({type(module).__name__}) has batch_first=False: "
+                "per-example clipping needs the example dimension first in every trained "
+                "layer; build it with batch_first=True or freeze it"
+            )
 
 
 def _covered_layers(model: nn.Module, rules: dict) -> list:

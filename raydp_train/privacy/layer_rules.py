@@ -111,11 +111,14 @@ def drop_padding(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     return a[:, :kept], g[:, :kept], in_use[:, :kept].nonzero()
 
 
-def _gram_key(x: Tensor, kept_tokens: int) -> tuple:
-    """Identifies a layer input by its memory, not the Python object: each hook recorded its
-    own `detach()` of the one tensor that Q, K and V read (inputs are checked unchanged since
-    their layers ran). Valid for single calls (a stacked input is a new tensor)."""
-    return x.data_ptr(), x.dtype, tuple(x.shape), x.stride(), kept_tokens
+def _gram_key(x: Tensor, token_view: tuple, kept_tokens: int) -> tuple:
+    """Identifies a Gram matrix a a^T by the layer input's memory (not the Python object: each
+    hook recorded its own `detach()` of the one tensor that Q, K and V read, and inputs are
+    checked unchanged since their layers ran), the rule's token view of it (a convolution's
+    unfolded patches depend on its kernel, stride, padding and dilation) and the tokens kept.
+    Valid for single calls (a stacked input is a new tensor)."""
+    memory = (x.device, x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+    return memory, token_view, kept_tokens
 
 
 def _cat_tokens(tensors: list[Tensor]) -> Tensor:
@@ -133,6 +136,11 @@ class LinearRule(Rule):
     def groups(self, module: nn.Module) -> int:
         return 1
 
+    def token_view(self, module: nn.Module) -> tuple:
+        """What, besides the input itself, `tokens` depends on: two layers share an input Gram
+        only if their inputs AND token views are equal."""
+        return ("last axis as features",)
+
     def stacked_tokens(self, module, calls: LayerCalls) -> tuple[Tensor, Tensor, Tensor | None]:
         """All calls as one [B, T, m] input and [B, T, n] output gradient, with the positions
         padding left without gradient dropped (`drop_padding`: the kept rows, or None)."""
@@ -144,12 +152,12 @@ class LinearRule(Rule):
         calls.state.update(a=a, g=g, rows=rows)
         norms = a.new_zeros(a.shape[0])
         if "weight" in slots:
-            key = _gram_key(calls.inputs[0], a.shape[1]) if len(calls.inputs) == 1 else None
+            shareable = len(calls.inputs) == 1 and self.groups(module) == 1
+            view = self.token_view(module)
+            key = _gram_key(calls.inputs[0], view, a.shape[1]) if shareable else None
             per_group = []
             for a_part, g_part in self._group_slices(module, a, g):
-                group_norms, per_example = linear_weight_norm(
-                    a_part, g_part, gram_cache, key if self.groups(module) == 1 else None
-                )
+                group_norms, per_example = linear_weight_norm(a_part, g_part, gram_cache, key)
                 norms = norms + group_norms
                 per_group.append(per_example)
             calls.state["per_example"] = per_group
@@ -189,6 +197,11 @@ class LinearRule(Rule):
 
 class ConvRule(LinearRule):
     """nn.Conv1d / nn.Conv2d: unfold the input into patches, then the Linear rule applies."""
+
+    def token_view(self, module: nn.Module) -> tuple:
+        """Unfolded patches: channels as features, one token per output position."""
+        return (type(module).__name__, module.kernel_size, module.stride, module.padding,
+                module.dilation)
 
     def check(self, module: nn.Module, name: str) -> None:
         if module.padding_mode != "zeros":
@@ -344,7 +357,6 @@ class GroupNormRule(MaterializedRule):
 class TransposedLinearRule(LinearRule):
     """Hugging Face's GPT-2 `Conv1D`: y = x W + b with W stored [in, out], i.e. a Linear
     whose weight is transposed; the clipped sum is written through the transposed view."""
-
     def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
         transposed = {**slots, "weight": slots["weight"].t()} if "weight" in slots else slots
         super().add_clipped_sum(module, calls, clip_factors, transposed)
