@@ -165,8 +165,12 @@ def run(args) -> int:
                      budget=budget, owner=run_dir.name, dataset=dataset)
     except RunInterrupted:
         print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; the epoch that was running "
-              "stays counted in full.\ncontinue with: raydp-train run "
-              f"{args.pipeline} --resume {run_dir} (and the same --set options)", flush=True)
+              f"stays counted in full.\ncontinue with: {_resume_command(args, run_dir)}",
+              flush=True)
+        return EXIT_INTERRUPTED
+    if result.stop_reason.startswith("interrupted"):
+        print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; every epoch charged was "
+              f"run and saved.\ncontinue with: {_resume_command(args, run_dir)}", flush=True)
         return EXIT_INTERRUPTED
     privacy = privacy_statement(plan, result, workers)
     record = write_run_record(run_dir, pipeline, result, privacy)
@@ -175,10 +179,19 @@ def run(args) -> int:
         from raydp_train.budget_report import status_text
 
         print(status_text(budget.status()))
-    if result.stop_reason != "completed":
+    if result.stop_reason.startswith("target epsilon reached"):
+        # The run did what it may: it stopped where one more epoch would pass its target.
+        print(f"\nSTOPPED EARLY: {result.stop_reason}")
+    elif result.stop_reason != "completed":
         print(f"\nSTOPPED: {result.stop_reason}\nthe last checkpoint is in {run_dir}")
         return EXIT_BUDGET_EXHAUSTED
     return 0
+
+
+def _resume_command(args, run_dir: Path) -> str:
+    """The command line that continues this run: the same pipeline and --set options."""
+    options = "".join(f" --set '{override}'" for override in args.overrides or [])
+    return f"raydp-train run {args.pipeline}{options} --resume {run_dir}"
 
 
 def _open_budget(pipeline):
@@ -321,6 +334,9 @@ def _print_summary(result, privacy: dict, record) -> None:
           f"{result.model_parameters:,} parameters (= all-reduce size)")
     print(f"privacy spent           epsilon {privacy['epsilon']:.4f} at delta {delta:g} "
           f"({privacy['accountant'].upper()}, {privacy['steps']} steps)")
+    if privacy["steps_charged_twice"]:
+        print(f"  of those steps        {privacy['steps_charged_twice']} were charged twice: a "
+              "restart or resume ran them again (or an interrupted epoch was cut short)")
     print(f"  RDP accountant        epsilon {privacy['epsilon_rdp']:.4f}")
     print(f"  PLD accountant        epsilon {privacy['epsilon_pld']:.4f}")
     print(f"  rough estimate        epsilon {privacy['rough_epsilon_estimate']:.4f} "

@@ -52,6 +52,8 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         "clip_norm": plan.clip_norm,
         "steps": steps_charged,  # every step ever run, restarts included (write-ahead)
         "planned_steps": plan.steps,
+        # Charged beyond the steps of the final trajectory: repeated after a restart or resume.
+        "steps_charged_twice": max(steps_charged - result.steps_done, 0),
         "expected_batch_size": plan.expected_batch_size,
         "num_examples": plan.num_examples,
         "validation_releases": releases,  # noisy counts of correct validation predictions

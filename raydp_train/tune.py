@@ -107,7 +107,7 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
     """One trial: the pipeline with `params` set, trained by the code `run` uses."""
     from ray import tune
 
-    from raydp_train.train.charges import MemoryCharges, RunAccount
+    from raydp_train.train.charges import MemoryCharges, RunAccount, epsilon_cap
     from raydp_train.train.context import LocalContext
     from raydp_train.train.trainer import fit
     from raydp_train.train.worker import train
@@ -122,7 +122,7 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
         tune.report({**row, "stop_reason": RUNNING})
 
     if pipeline.training.workers == 1:
-        account = RunAccount(MemoryCharges(), budget, owner, plan)
+        account = RunAccount(MemoryCharges(), budget, owner, plan, epsilon_cap(pipeline, plan))
         result = train(pipeline, plan, LocalContext(on_epoch=report, account=account),
                        dataset=dataset)
     else:

@@ -303,7 +303,7 @@ def op_norm(builder: _Builder, vocab: int) -> None:
     source = _pick(builder, 2)
     tokens, width = builder.shapes[source]
     kind = builder.rng.choice(["layer", "rms", "group"])
-    if kind == "group" and tokens % 2 == 0:
+    if kind == "group" and tokens % 2 == 0 and tokens // 2 * width > 1:
         module = f"nn.GroupNorm(2, {tokens})"
     elif kind == "rms":
         module = f"nn.RMSNorm({width})"
@@ -399,6 +399,8 @@ def op_conv2d(builder: _Builder, vocab: int) -> None:
 def op_group_norm2d(builder: _Builder, vocab: int) -> None:
     source = _pick(builder, 3)
     channels = builder.shapes[source][0]
+    if _numel(builder.shapes[source]) < 2:  # a group needs more than one value
+        return
     _layer(builder, source, f"nn.GroupNorm(1, {channels})", "r{out} = self.{m}(r{r})",
            builder.shapes[source])
 

@@ -6,9 +6,9 @@ import pytest
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.budget import BudgetAccountant, BudgetTerms
 from raydp_train.train.charges import (
-    BudgetExhausted,
     Charged,
     ChargeLedger,
+    ChargeRefused,
     MemoryCharges,
     RunAccount,
 )
@@ -68,6 +68,24 @@ def test_run_account_reserves_before_recording_and_stops_when_refused(tmp_path):
     assert status["epsilon_counted"] == pytest.approx(one_epoch, rel=1e-9)
     account.settle(Charged(20, 1))
     assert accountant.status()["owners"]["run-1"]["steps_spent"] == 20
-    with pytest.raises(BudgetExhausted, match="budget exhausted"):
+    with pytest.raises(ChargeRefused, match="budget exhausted"):
         account.charge(Charged(20, 1))
     assert account.total() == (20, 1)  # the refused epoch was never recorded
+
+
+def test_run_account_never_charges_past_its_epsilon_cap(tmp_path):
+    """A calibrated run's target: the epoch that would pass it is refused, not recorded, and
+    the global budget is not asked."""
+    plan = _plan()
+    cap = plan.epsilon(40, releases=2)
+    accountant = BudgetAccountant(str(tmp_path), BudgetTerms("b", 100.0, 1e-5))
+    account = RunAccount(MemoryCharges(), _InProcessBudget(accountant), "run-1", plan,
+                         epsilon_cap=cap)
+    account.charge(Charged(20, 1))
+    account.settle(Charged(20, 1))
+    assert account.charge(Charged(20, 1)) == (40, 2)  # exactly at the cap: allowed
+    account.settle(Charged(20, 1))
+    with pytest.raises(ChargeRefused, match=r"target epsilon reached: 40 steps .* next epoch's 1 "):
+        account.charge(Charged(1, 0))
+    assert account.total() == (40, 2)
+    assert accountant.status()["owners"]["run-1"]["steps_spent"] == 40

@@ -95,6 +95,21 @@ def test_worker_failure_resumes_and_counts_every_step_run(ray_session, tmp_path)
     assert [r["epoch"] for r in result.metrics] == [1, 2, 3]
 
 
+def test_a_restart_never_takes_a_calibrated_run_past_its_target_epsilon(ray_session, tmp_path):
+    """The restart after a crash in epoch 2 charges epoch 2 again; the third epoch would then
+    pass privacy.target_epsilon, so the run stops after the second and says why."""
+    base = small_pipeline(2, epochs=3).model_dump()
+    pipeline = pipeline_from_dict({**base, "privacy": {"target_epsilon": 2.0, "clip_norm": CLIP,
+                                                       "delta": 1e-5}})
+    plan = make_plan(pipeline, 640)
+    assert plan.noise_calibrated and plan.epsilon(30) <= 2.0 < plan.epsilon(40)
+    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, fail_at_step=15)
+    assert result.stop_reason.startswith("target epsilon reached")
+    assert result.steps_done == 20 and result.steps_charged == 30  # epoch 2 charged twice
+    assert plan.epsilon(result.steps_charged) <= 2.0
+    assert [r["epoch"] for r in result.metrics] == [1, 2]
+
+
 def test_cli_run_on_ray_then_report(ray_session, tmp_path, capsys):
     args = ["run", QUICKSTART, "--set", f"run.output_dir={tmp_path}",
             "--set", "training.epochs=30", "--set", "training.workers=2"]

@@ -7,7 +7,9 @@ layer (a local directory or a URI such as s3://...). A worker group that restart
 checkpoint charges the repeated steps again, so epsilon counts every step that was ever run.
 
 `RunAccount` adds the global budget in front of it: the budget's accountant must grant an
-epoch before the run records it; a refusal stops the run cleanly ("budget exhausted").
+epoch before the run records it, and a run calibrated to `privacy.target_epsilon` never
+charges an epoch that would take it past that target (a restart that repeats steps would).
+A refusal stops the run cleanly at its last checkpoint.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class Charged(NamedTuple):
         return Charged(self.steps + other.steps, self.releases + other.releases)
 
 
-class BudgetExhausted(RuntimeError):
-    """The global budget refused the next epoch; the message is the accountant's reason."""
+class ChargeRefused(RuntimeError):
+    """The next epoch may not be charged; the message is the run's stop reason ("budget
+    exhausted: ...", "target epsilon reached: ...", "interrupted: ...")."""
 
 
 class ChargeLedger:
@@ -84,22 +87,43 @@ class MemoryCharges:
         return self._total
 
 
+def epsilon_cap(pipeline, plan) -> float | None:
+    """The epsilon a run must not pass: its target, when sigma was calibrated to one."""
+    return pipeline.privacy.target_epsilon if plan.noise_calibrated else None
+
+
 class RunAccount:
     """Where one run's privacy goes: the global budget (if any) grants, the record keeps."""
 
     def __init__(self, record: ChargeLedger | MemoryCharges, budget=None, owner: str = "",
-                 plan=None):
+                 plan=None, epsilon_cap: float | None = None):
+        """`epsilon_cap`: the run's `privacy.target_epsilon` (None: no cap of its own)."""
         self.record, self.budget, self.owner, self.plan = record, budget, owner, plan
+        self.epsilon_cap = epsilon_cap
         self._open = None  # the budget's grant for the epoch being run
 
     def charge(self, charge: Charged) -> Charged:
-        """Reserve `charge` from the budget, then record it; raises BudgetExhausted."""
+        """Reserve `charge` from the budget, then record it; raises ChargeRefused."""
+        self._check_cap(charge)
         if self.budget is not None:
             decision = self.budget.reserve(self.owner, self.plan.spend(*charge))
             if not decision.granted:
-                raise BudgetExhausted(decision.reason)
+                raise ChargeRefused(f"budget exhausted: {decision.reason}")
             self._open = decision
         return self.record.charge(charge)
+
+    def _check_cap(self, charge: Charged) -> None:
+        if self.epsilon_cap is None:
+            return
+        before = self.total()
+        after = before + charge
+        epsilon = self.plan.epsilon(after.steps, releases=after.releases)
+        if epsilon > self.epsilon_cap:
+            raise ChargeRefused(
+                f"target epsilon reached: {before.steps} steps are charged and the next "
+                f"epoch's {charge.steps} would make epsilon {epsilon:.4f}, above "
+                f"privacy.target_epsilon {self.epsilon_cap:g}"
+            )
 
     def settle(self, used: Charged) -> None:
         """Tell the budget what the granted epoch used (all of it, unless it stopped early)."""

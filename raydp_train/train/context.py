@@ -8,13 +8,14 @@ stays the same for one worker or many, with Ray or without.
 from __future__ import annotations
 
 import hashlib
+import json
 import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from raydp_train.train.charges import BudgetExhausted, Charged, MemoryCharges, RunAccount
+from raydp_train.train.charges import Charged, ChargeRefused, MemoryCharges, RunAccount
 
 
 class LocalContext:
@@ -38,7 +39,7 @@ class LocalContext:
         return [value]
 
     def charge(self, charge: Charged) -> Charged:
-        """Record `charge` as spent BEFORE running it; the total so far, or BudgetExhausted."""
+        """Record `charge` as spent BEFORE running it; the total so far, or ChargeRefused."""
         return self.account.charge(charge)
 
     def settle(self, used: Charged) -> None:
@@ -84,16 +85,19 @@ class RayTrainContext:
         return values
 
     def charge(self, charge: Charged) -> Charged:
-        """Rank 0 reserves and records; every rank waits for its answer and obeys it."""
+        """Rank 0 reserves and records; every rank waits for its answer and obeys it.
+        A stop asked for on the driver (Ctrl-C) is obeyed here, before the epoch is charged."""
         answer = None
         if self.rank == 0:
             try:
+                if stop_requested(self.run_dir):
+                    raise ChargeRefused("interrupted: stopped before the next epoch was charged")
                 answer = self.account.charge(charge)
-            except BudgetExhausted as refusal:
+            except ChargeRefused as refusal:
                 answer = str(refusal)
         answer = self.gather(answer)[0]
         if isinstance(answer, str):
-            raise BudgetExhausted(answer)
+            raise ChargeRefused(answer)
         return Charged(*answer)
 
     def settle(self, used: Charged) -> None:
@@ -104,13 +108,20 @@ class RayTrainContext:
         return Charged(*self.gather(self.account.total() if self.rank == 0 else None)[0])
 
     def restore(self) -> dict | None:
+        """The newest complete checkpoint: the newest on disk in the run directory (Ray's own
+        record of its checkpoints can lag behind an interrupted run by epochs; resuming from
+        it would re-run, and charge again, epochs that were saved), else Ray's."""
         import ray.train
 
+        newest = newest_checkpoint(self.run_dir) if self.rank == 0 else None
+        newest = self.gather(None if newest is None else str(newest))[0]
+        if newest is not None:
+            return torch.load(Path(newest) / STATE_FILE, map_location=self.device)
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
             return None
         with checkpoint.as_directory() as directory:
-            return torch.load(Path(directory) / "state.pt", map_location=self.device)
+            return torch.load(Path(directory) / STATE_FILE, map_location=self.device)
 
     def report(self, row: dict, state: dict) -> None:
         import ray.train
@@ -120,7 +131,12 @@ class RayTrainContext:
             return
         self.progress_queue.put(row)
         with tempfile.TemporaryDirectory() as directory:
-            torch.save(state, Path(directory) / "state.pt")
+            state_file = Path(directory) / STATE_FILE
+            torch.save(state, state_file)
+            # What `newest_checkpoint` needs to tell a whole copy of this folder from a cut one.
+            progress = {"epoch": state["epoch"], "step": state["step"],
+                        "state_bytes": state_file.stat().st_size}
+            (Path(directory) / PROGRESS_FILE).write_text(json.dumps(progress))
             ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
     def fail_once(self, step: int) -> None:
@@ -129,6 +145,35 @@ class RayTrainContext:
         if self.rank == self.world_size - 1 and not marker.exists():
             marker.touch()
             raise RuntimeError(f"injected failure at step {step} on rank {self.rank}")
+
+
+STATE_FILE, PROGRESS_FILE, STOP_FILE = "state.pt", "progress.json", ".stop_requested"
+
+
+def newest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint folder of the latest epoch whose state was copied whole, or None."""
+    complete = []
+    for folder in Path(run_dir).glob("checkpoint_*"):
+        try:
+            progress = json.loads((folder / PROGRESS_FILE).read_text())
+            if (folder / STATE_FILE).stat().st_size == progress["state_bytes"]:
+                complete.append((progress["epoch"], folder))
+        except (OSError, ValueError, KeyError):
+            continue  # cut off while it was written, or from before progress files
+    return max(complete)[1] if complete else None
+
+
+def request_stop(run_dir: str | Path) -> None:
+    """Ask the run's workers to stop before they charge their next epoch."""
+    (Path(run_dir) / STOP_FILE).touch()
+
+
+def clear_stop(run_dir: str | Path) -> None:
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+
+
+def stop_requested(run_dir: str | Path) -> bool:
+    return (Path(run_dir) / STOP_FILE).exists()
 
 
 def parameter_checksum(model: nn.Module) -> str:

@@ -4,6 +4,7 @@ checkpoints, restarts and progress lines. Knows nothing of the math inside a ste
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -16,14 +17,14 @@ from ray.util.queue import Empty, Queue
 from raydp_train.budget_actor import BudgetClient
 from raydp_train.pipeline import Pipeline, pipeline_from_dict
 from raydp_train.plan import PrivacyPlan
-from raydp_train.train.charges import ChargeLedger, RunAccount
-from raydp_train.train.context import RayTrainContext
+from raydp_train.train.charges import ChargeLedger, RunAccount, epsilon_cap
+from raydp_train.train.context import RayTrainContext, clear_stop, request_stop, stop_requested
 from raydp_train.train.worker import TrainResult, train
 
 
 class RunInterrupted(RuntimeError):
-    """Ctrl-C (SIGINT) stopped the run: Ray Train aborted its workers. The epoch that was
-    running stays counted in full; earlier epochs are checkpointed in the run directory."""
+    """A second Ctrl-C aborted the run at once: the epoch that was running stays counted in
+    full; earlier epochs are checkpointed in the run directory."""
 
 
 def ensure_ray(address: str | None, num_cpus: int) -> None:
@@ -86,14 +87,12 @@ def fit(
             callbacks=callbacks,
         ),
     )
+    clear_stop(run_dir)
     stop = threading.Event()
     printer = threading.Thread(target=_print_progress, args=(progress, on_epoch, stop), daemon=True)
     printer.start()
     try:
-        result = trainer.fit()
-    except (KeyboardInterrupt, SystemExit) as exit_request:
-        # Ray Train's SIGINT handler aborts the workers, then exits through SystemExit.
-        raise RunInterrupted(f"interrupted; the last checkpoint is in {run_dir}") from exit_request
+        result = _fit_until_stopped(trainer, run_dir)
     finally:
         stop.set()
         printer.join()
@@ -102,6 +101,42 @@ def fit(
     if len(set(trained.checksums)) != 1:
         raise RuntimeError(f"workers ended with different parameters: {trained.checksums}")
     return trained
+
+
+def _fit_until_stopped(trainer: TorchTrainer, run_dir: Path):
+    """`trainer.fit()`, where the first Ctrl-C lets the running epoch finish and checkpoint and
+    stops the workers before they charge the next one; a second Ctrl-C aborts at once.
+
+    fit() runs in a helper thread so that Ray Train does not install its own SIGINT handler,
+    which aborts the workers mid-epoch (the epoch charged but its work lost)."""
+    outcome: dict = {}
+
+    def fit_in_thread() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as error:  # noqa: BLE001 -- re-raised in the caller's thread
+            outcome["error"] = error
+
+    def on_sigint(signum, frame) -> None:
+        if stop_requested(run_dir):
+            raise RunInterrupted(f"interrupted; the last checkpoint is in {run_dir}")
+        request_stop(run_dir)
+        print("\nCtrl-C: stopping after the epoch that is running (Ctrl-C again: at once)",
+              flush=True)
+
+    worker = threading.Thread(target=fit_in_thread, daemon=True)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if in_main else None
+    try:
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def _print_progress(progress: Queue, on_epoch, stop: threading.Event) -> None:
@@ -117,7 +152,8 @@ def _print_progress(progress: Queue, on_epoch, stop: threading.Event) -> None:
 def _train_loop_per_worker(config: dict) -> TrainResult:
     pipeline = pipeline_from_dict(config["pipeline"])
     plan = PrivacyPlan(**config["plan"])
-    account = RunAccount(ChargeLedger(config["run_dir"]), config["budget"], config["owner"], plan)
+    account = RunAccount(ChargeLedger(config["run_dir"]), config["budget"], config["owner"], plan,
+                         epsilon_cap(pipeline, plan))
     context = RayTrainContext(config["progress"], account, config["run_dir"])
     dataset = None if config["dataset"] is None else ray.get(config["dataset"])
     result = train(pipeline, plan, context, config["fail_at_step"], dataset)

@@ -18,7 +18,7 @@ from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.lsg import LowRankSparseGradients
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
-from raydp_train.train.charges import BudgetExhausted, Charged
+from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum
 from raydp_train.train.nonprivate import SummedGradients
 from raydp_train.train.step import cross_entropy_loss, private_step
@@ -34,7 +34,9 @@ class TrainResult:
     steps_done: int = 0  # steps of the finished run
     steps_charged: int = 0  # steps charged to the privacy account, restarts included
     releases_charged: int = 0  # noisy validation-metric releases charged
-    stop_reason: str = "completed"  # or "budget exhausted: <the accountant's reason>"
+    # Or why the run stopped early: "budget exhausted: <the accountant's reason>",
+    # "target epsilon reached: ...", "interrupted: ..." (ChargeRefused's message).
+    stop_reason: str = "completed"
     checksums: list[str] = field(default_factory=list)  # one per rank: all equal
     # Numbers trained (= all-reduced) per step: LSG's kept carrier entries + other params.
     trained_per_step: int = 0
@@ -115,8 +117,8 @@ def train(
         epoch_charge = Charged(ends[epoch - 1] - step, plan.releases_per_epoch)
         try:
             charged = context.charge(epoch_charge)
-        except BudgetExhausted as refusal:
-            result.stop_reason = f"budget exhausted: {refusal}"
+        except ChargeRefused as refusal:
+            result.stop_reason = str(refusal)
             break
         model.train()
         loss_sum, seen = 0.0, 0
