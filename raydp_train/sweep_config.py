@@ -44,11 +44,14 @@ class SearchDimension(Section):
         if len(kinds) != 1:
             raise FieldProblem(f"set exactly one of choice, grid, uniform, loguniform (got "
                                f"{', '.join(kinds) or 'none'})")
-        for kind in ("uniform", "loguniform"):
-            bounds = getattr(self, kind)
-            if bounds is not None and not 0 < bounds[0] < bounds[1]:
-                raise FieldProblem(f"must be [low, high] with 0 < low < high, got "
-                                   f"{list(bounds)}", kind)
+        # A uniform range may start at 0 where its field allows it (the field's own check
+        # sees both ends); a log scale needs a positive low end.
+        if self.uniform is not None and not self.uniform[0] < self.uniform[1]:
+            raise FieldProblem(f"must be [low, high] with low < high, got {list(self.uniform)}",
+                               "uniform")
+        if self.loguniform is not None and not 0 < self.loguniform[0] < self.loguniform[1]:
+            raise FieldProblem(f"must be [low, high] with 0 < low < high (a log scale), got "
+                               f"{list(self.loguniform)}", "loguniform")
         return self
 
     @property

@@ -28,7 +28,9 @@ def _error(*overrides: str) -> str:
     (["tune.search_space={training.epochs: {choice: [2]}}"],
      "cannot search 'training.epochs'; searchable: privacy.noise_multiplier"),
     (["tune.search_space={training.lr: {uniform: [0.1, 0.01]}}"],
-     "tune.search_space.training.lr.uniform: must be [low, high] with 0 < low < high"),
+     "tune.search_space.training.lr.uniform: must be [low, high] with low < high"),
+    (["tune.search_space={training.lr: {loguniform: [0.0, 0.1]}}"],
+     "tune.search_space.training.lr.loguniform: must be [low, high] with 0 < low < high"),
     (["tune.search_space={training.lr: {choice: [0.1], grid: [0.2]}}"],
      "set exactly one of choice, grid, uniform, loguniform (got choice, grid)"),
     (["tune.search_space={privacy.lsg.rank: {choice: [4]}}"],
@@ -53,6 +55,19 @@ def _error(*overrides: str) -> str:
 ])
 def test_bad_sweep_settings_are_refused_naming_the_field(overrides, expected):
     assert expected in _error(*overrides)
+
+
+def test_a_uniform_range_may_start_at_zero_where_its_field_allows_it():
+    from raydp_train.tune import _check_search_space
+
+    sparsity = load_pipeline(SWEEP, ["privacy.mechanism=lsg", "tune.search_space="
+                                     "{privacy.lsg.sparsity: {uniform: [0.0, 0.5]}}"])
+    _check_search_space(sparsity)  # sparsity 0 is valid: nothing raised
+    assert sparsity.tune.search_space["privacy.lsg.sparsity"].uniform == (0.0, 0.5)
+    sigma = load_pipeline(SWEEP, ["tune.search_space={privacy.noise_multiplier: "
+                                  "{uniform: [0.0, 2.0]}}"])
+    with pytest.raises(PipelineError, match="privacy.noise_multiplier: must be > 0, got 0"):
+        _check_search_space(sigma)  # sigma 0 is not: the field's own check sees the low end
 
 
 def test_noisy_validation_releases_cannot_be_calibrated_to_a_target():
