@@ -33,7 +33,12 @@ from torch import Tensor, nn
 from raydp_train.models import ModelError, build_model
 from raydp_train.plan import PlanError, PrivacyPlan
 from raydp_train.privacy.accounting import epsilon_spent
-from raydp_train.privacy.audit import MembershipTest, membership_test, subsampled_gaussian_score
+from raydp_train.privacy.audit import (
+    MembershipTest,
+    largest_provable_epsilon,
+    membership_test,
+    subsampled_gaussian_score,
+)
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
@@ -72,9 +77,17 @@ class AuditResult:
         """True when the measured lower bound does not exceed the claim."""
         return self.epsilon_lower_bound <= self.claimed_epsilon
 
+    @property
+    def epsilon_ceiling(self) -> float:
+        """The largest lower bound these many held-out runs could show at all."""
+        test = self.test
+        return largest_provable_epsilon(test.positives, test.negatives, self.delta,
+                                        test.confidence)
+
     def as_dict(self) -> dict:
         return {**asdict(self), "epsilon_lower_bound": self.epsilon_lower_bound,
-                "consistent": self.consistent, "budget_spent": False}
+                "epsilon_ceiling": self.epsilon_ceiling, "consistent": self.consistent,
+                "budget_spent": False}
 
 
 def check_auditable(pipeline, trials: int) -> None:
@@ -208,6 +221,9 @@ def audit_text(result: AuditResult) -> str:
                              f"these {result.steps} steps)")),
         ("empirical lower bound", (f"{result.epsilon_lower_bound:.4f} "
                                    f"({test.confidence:.0%} confidence, Clopper-Pearson)")),
+        ("largest it could show", (f"{result.epsilon_ceiling:.4f} with {test.positives} + "
+                                   f"{test.negatives} held-out runs (a perfect test); more "
+                                   "--trials raise it")),
         ("consistent", verdict),
         ("membership test", (f"score >= {test.threshold:.4g} on the {test.positives} + "
                              f"{test.negatives} held-out runs: {test.true_positives} true, "

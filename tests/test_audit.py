@@ -76,6 +76,18 @@ def test_perfect_separation_is_limited_by_the_number_of_runs():
     assert epsilon_lower_bound(1000, 0, 1000, 1000, delta) > expected
 
 
+def test_the_ceiling_is_the_perfect_test_and_grows_with_the_runs():
+    from raydp_train.privacy.audit import largest_provable_epsilon
+
+    a, delta = 0.025, 1e-5
+    expected = math.log((a ** (1 / 10) - delta) / (1 - a ** (1 / 10)))  # 10 + 10 held-out runs
+    assert largest_provable_epsilon(10, 10, delta) == pytest.approx(expected, rel=1e-10)
+    assert largest_provable_epsilon(10, 10, delta) < largest_provable_epsilon(100, 100, delta)
+    for true_positives, false_positives in [(10, 0), (7, 1), (3, 3)]:
+        bound = epsilon_lower_bound(true_positives, false_positives, 10, 10, delta)
+        assert bound <= largest_provable_epsilon(10, 10, delta)
+
+
 def test_zero_false_positives_with_few_true_ones():
     stats = pytest.importorskip("scipy.stats")
     tpr_low = stats.beta.ppf(0.025, 10, 91)
@@ -186,6 +198,7 @@ def test_audit_command_prints_the_claim_and_the_lower_bound(capsys):
     claimed = epsilon_spent(0.08, 2.0, 12, 1e-5, "rdp")
     assert f"claimed epsilon         {claimed:.4f} (RDP, these 12 steps)" in out
     assert "empirical lower bound   " in out and "consistent              yes" in out
+    assert "largest it could show   " in out and "with 4 + 4 held-out runs" in out
     assert "nothing spent" in out and "audit: 8/8 pairs of runs" in out
 
 
@@ -195,6 +208,7 @@ def test_audit_command_json(capsys):
     captured = capsys.readouterr()
     record = json.loads(captured.out)
     assert record["seed"] == 3 and record["budget_spent"] is False
+    assert record["epsilon_lower_bound"] <= record["epsilon_ceiling"]
     assert record["epsilon_lower_bound"] <= record["claimed_epsilon"]
     assert "audit: 4/4" in captured.err  # progress stays out of the JSON
 

@@ -123,6 +123,14 @@ def epsilon_lower_bound(
     return max(bounds)
 
 
+def largest_provable_epsilon(
+    positives: int, negatives: int, delta: float, confidence: float = 0.95
+) -> float:
+    """The ceiling of `epsilon_lower_bound` for these run counts: the bound a perfect test
+    (every canary run "in", no other run "in") would prove. Fewer runs prove less."""
+    return epsilon_lower_bound(positives, 0, positives, negatives, delta, confidence)
+
+
 @dataclass(frozen=True)
 class MembershipTest:
     """A threshold test "score >= threshold: the canary was in" and its held-out counts."""
