@@ -1,12 +1,14 @@
 """Data sources: synthetic, sklearn digits and parquet, as train/test tensors.
 
 Nothing here computes statistics of private data (no fitted scalers): a non-private mean or
-std of the training set would leak outside the privacy accounting. Parquet features are
-used as stored; digits pixels are scaled by their fixed range.
+std of the training set would leak outside the privacy accounting. Parquet features are used
+as stored, or standardized with public statistics the pipeline gives (`data.normalize`);
+digits pixels are scaled by their fixed range.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,12 +199,39 @@ def _read_parquet(path: Path, config, field: str) -> tuple[np.ndarray, np.ndarra
     labels = _labels(table.column(config.label_column), path, config.label_column)
     if config.feature_columns:
         features = np.stack([_numeric(table.column(c), path, c) for c in columns], axis=1)
+        features = _standardized(features, config)
     else:
         features = _tensor_column(table.column(config.tensor_column), path, config.tensor_column)
     if not np.isfinite(features).all():
         rows = np.unique(np.nonzero(~np.isfinite(features.reshape(len(features), -1)))[0])
         raise DataError(f"{field}: {path} has NaN or inf features in rows {rows[:10].tolist()}")
     return features, labels
+
+
+class FeatureScaleWarning(UserWarning):
+    """Raw numeric features far from unit scale: DP-SGD will learn little from them."""
+
+
+# Features beyond this magnitude swamp a clipped gradient (the clip norm C is ~1).
+FAR_FROM_UNIT_SCALE = 100.0
+
+
+def _standardized(features: np.ndarray, config) -> np.ndarray:
+    """(x - mean) / std per column with the pipeline's public statistics. A column left raw
+    whose values reach far beyond unit scale gets a warning, shown to whoever runs the
+    pipeline on their own data (it is not part of any release)."""
+    normalize = config.normalize or {}
+    for index, column in enumerate(config.feature_columns):
+        if column in normalize:
+            mean, std = normalize[column]
+            features[:, index] = (features[:, index] - mean) / std
+        elif np.abs(features[:, index]).max() > FAR_FROM_UNIT_SCALE:
+            warnings.warn(FeatureScaleWarning(
+                f"data.feature_columns: column '{column}' has values beyond +-"
+                f"{FAR_FROM_UNIT_SCALE:g}; clipped gradients will hardly move on such raw "
+                f"features. Give public statistics: data.normalize: {{{column}: [mean, std]}}"
+            ), stacklevel=2)
+    return features
 
 
 def _numeric(column: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:

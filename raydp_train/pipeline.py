@@ -104,6 +104,9 @@ class ParquetData(Section):
     path: str = Field(min_length=1)
     test_path: str | None = None
     feature_columns: list[str] | None = Field(None, min_length=1)
+    # Public statistics per feature column, {column: [mean, std]}: x -> (x - mean) / std.
+    # Never fitted on the private rows (that would be a release outside the accounting).
+    normalize: dict[str, tuple[float, float]] | None = None
     tensor_column: str | None = None
     text_column: str | None = None  # strings, tokenized by the model's tokenizer (model.kind hf)
     max_length: int = Field(128, ge=2)  # tokens per text, padded or truncated
@@ -118,6 +121,13 @@ class ParquetData(Section):
         if len(given) != 1:
             raise FieldProblem("set exactly one of feature_columns, tensor_column or text_column "
                                f"(got {', '.join(given) or 'none'})", "feature_columns")
+        for column, (_, std) in (self.normalize or {}).items():
+            if column not in (self.feature_columns or []):
+                raise FieldProblem(f"{column!r} is not one of data.feature_columns "
+                                   f"({', '.join(self.feature_columns or []) or 'none'})",
+                                   "normalize")
+            if not std > 0:
+                raise FieldProblem(f"{column}: the std must be > 0, got {std:g}", "normalize")
         return self
 
 

@@ -145,6 +145,10 @@ CASES = {
                                ("data.path: cannot read {data}/not_parquet.parquet as parquet",)),
     "missing-column": Case((numbers("numbers.parquet", feature_columns=["x", "z"]),),
                            ("data.path: column(s) ['z'] not in {data}/numbers.parquet",)),
+    "normalize-unknown-column": Case((numbers("numbers.parquet", normalize={"z": [0, 1]}),),
+                                     ("data.normalize: 'z' is not one of data.feature_columns",)),
+    "normalize-zero-std": Case((numbers("numbers.parquet", normalize={"x": [0, 0]}),),
+                               ("data.normalize: x: the std must be > 0",)),
     "nan-features": Case((numbers("nan.parquet"),),
                          ("data.path: {data}/nan.parquet has NaN or inf features",)),
     "inf-features-in-test-file": Case(

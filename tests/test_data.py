@@ -1,5 +1,7 @@
 """Data sources and model builders: shapes, parquet reading and the errors users see."""
 
+import warnings
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -48,6 +50,44 @@ def test_parquet_feature_columns_with_separate_test_file(tmp_path):
     data = load_data(config(source).data)
     assert data.train_features.tolist() == [[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]]
     assert data.test_labels.tolist() == [1] and data.num_classes == 3
+
+
+def test_normalize_uses_the_public_statistics_it_is_given(tmp_path):
+    from raydp_train.data import FeatureScaleWarning
+
+    train = write(tmp_path / "train.parquet", income=[40_000.0, 55_000.0, 70_000.0],
+                  age=[20.0, 30.0, 40.0], label=[0, 1, 0])
+    test = write(tmp_path / "test.parquet", income=[55_000.0], age=[50.0], label=[1])
+    source = {"source": "parquet", "path": train, "test_path": test,
+              "feature_columns": ["income", "age"], "normalize": {"income": [50_000, 10_000]}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FeatureScaleWarning)  # age stays raw, but is small
+        data = load_data(config(source).data)
+    assert data.train_features.tolist() == [[-1.0, 20.0], [0.5, 30.0], [2.0, 40.0]]
+    assert data.test_features.tolist() == [[0.5, 50.0]]  # the same public statistics
+
+
+def test_raw_features_far_from_unit_scale_get_a_warning_naming_the_column(tmp_path):
+    from raydp_train.data import FeatureScaleWarning
+
+    train = write(tmp_path / "t.parquet", income=[40_000.0, 55_000.0, 70_000.0, 1.0],
+                  age=[20.0, 30.0, 40.0, 50.0], label=[0, 1, 0, 1])
+    source = {"source": "parquet", "path": train, "feature_columns": ["income", "age"]}
+    with pytest.warns(FeatureScaleWarning, match=r"'income'.*data.normalize: \{income"):
+        load_data(config(source).data)
+
+
+@pytest.mark.parametrize(("normalize", "message"), [
+    ({"salary": [0, 1]}, "data.normalize: 'salary' is not one of data.feature_columns"),
+    ({"income": [0, 0]}, "data.normalize: income: the std must be > 0, got 0"),
+])
+def test_bad_normalize_is_refused_naming_the_field(normalize, message):
+    from raydp_train.pipeline import PipelineError
+
+    source = {"source": "parquet", "path": "x.parquet", "feature_columns": ["income"],
+              "normalize": normalize}
+    with pytest.raises(PipelineError, match=message):
+        config(source)
 
 
 def test_parquet_tensor_column_keeps_the_tensor_shape(tmp_path):
