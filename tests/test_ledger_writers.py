@@ -126,3 +126,14 @@ def test_ledger_on_a_filesystem_without_hard_links_is_refused_before_any_grant(t
         accountant.status()
     with pytest.raises(LedgerError, match="has no hard links"):
         accountant.reserve("r1", "a", SPEND)
+
+
+def test_fragments_named_before_exclusive_creates_are_still_read(tmp_path):
+    (accountant,) = _accountants(tmp_path, 1, 20.0)
+    accountant.reserve("r1", "a", SPEND)
+    directory = tmp_path / "shared" / "b"
+    for fragment in directory.glob("*.parquet"):  # <seq>-<kind>-<id>.parquet, as before
+        fragment.rename(directory / f"{fragment.stem}-reserve-0a1b2c3d.parquet")
+    (reopened,) = _accountants(tmp_path, 1, 20.0)
+    assert reopened.reserve("r2", "b", SPEND).granted
+    assert [row["seq"] for row in ledger_rows("b", str(tmp_path / "shared"))] == [0, 1, 2]
