@@ -108,8 +108,10 @@ class BudgetLedger:
     def append(self, row: dict) -> None:
         """Durably commit `row` as fragment number row['seq'].
 
-        Raises FragmentTaken if another writer committed that number first, LedgerError if
-        nothing could be written; in both cases no fragment of this row exists."""
+        Raises FragmentTaken if another writer committed that number first (this row is then
+        not in the ledger), LedgerError if the row could not be made durable (the caller
+        grants nothing; should its fragment have landed all the same, a writer reads it the
+        next time the number is taken, and it counts, conservatively)."""
         name = fragment_name(row["seq"])
         buffer = io.BytesIO()
         pq.write_table(pa.Table.from_pylist([row], schema=LEDGER_SCHEMA), buffer)
