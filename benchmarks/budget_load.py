@@ -106,7 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     args = parser.parse_args()
-    ray.init(num_cpus=CONCURRENT_TRIALS, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=CONCURRENT_TRIALS, include_dashboard=False,
+             log_to_driver=False)
     name = f"load-{int(time.time())}"
     with tempfile.TemporaryDirectory() as root:
         pipeline = load_pipeline_under_load(Path(root), args.minutes, name)

@@ -78,7 +78,7 @@ def measure(accountant: str, entries: int) -> dict:
 
 
 def main() -> None:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     rows = []
     for accountant in ("rdp", "pld"):
         for entries in ENTRIES:

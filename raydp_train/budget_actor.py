@@ -16,12 +16,12 @@ import ray
 
 from raydp_train.privacy.budget import (
     NAMESPACE,
-    BudgetAccountant,
     BudgetError,
     BudgetTerms,
     Decision,
     Spend,
 )
+from raydp_train.privacy.budget_accountant import BudgetAccountant
 from raydp_train.privacy.ledger import LedgerError, as_uri
 
 # Every handle this driver opened. A non-detached actor lives while the handle that created it

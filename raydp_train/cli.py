@@ -111,9 +111,11 @@ def _parser() -> argparse.ArgumentParser:
 def _prepare(args):
     """Load and check everything before any privacy is spent (see preflight). Text data is
     tokenized by Ray Data, so Ray starts (or is joined) first."""
+    from raydp_train.locations import check_locations
     from raydp_train.preflight import check_pipeline
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
+    check_locations(pipeline, args.pipeline)
     if getattr(pipeline.data, "text_column", None) is not None or args.command is not validate:
         from raydp_train.train.trainer import ensure_ray
 
@@ -198,15 +200,18 @@ def _open_budget(pipeline):
     """The pipeline's global budget (created from this driver), or None; prints its state."""
     from raydp_train.budget_actor import open_budget
     from raydp_train.budget_report import status_text
+    from raydp_train.privacy.ledger import as_uri
 
     if pipeline.budget is None:
         return None
     budget = open_budget(pipeline.budget)
-    print(status_text(budget.status()).splitlines()[0], flush=True)
+    print(f"{status_text(budget.status()).splitlines()[0]}\nledger: "
+          f"{as_uri(pipeline.budget.ledger)}", flush=True)
     return budget
 
 
 def tune_command(args) -> int:
+    from raydp_train.locations import check_locations
     from raydp_train.train.trainer import ensure_ray
     from raydp_train.tune import run_sweep
 
@@ -214,6 +219,7 @@ def tune_command(args) -> int:
     if pipeline.tune is None:
         raise PipelineError(args.pipeline, [("tune: required by `raydp-train tune` (search_space, "
                                             "num_samples, ...); see README")])
+    check_locations(pipeline, args.pipeline)
     sweep = run_sweep(pipeline, connect=lambda: ensure_ray(args.address, num_cpus=4))
     return 0 if sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 

@@ -18,12 +18,14 @@ import torch
 
 from raydp_train.pipeline import Pipeline, PipelineError, dump_pipeline
 from raydp_train.plan import PrivacyPlan
+from raydp_train.privacy.ledger import as_uri
 
 
 def new_run_dir(pipeline: Pipeline, kind: str = "") -> Path:
     """`<run.output_dir>/<name>[-<kind>]-<timestamp>` with the resolved pipeline in it."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(pipeline.run.output_dir) / "-".join(filter(None, (pipeline.name, kind, stamp)))
+    # Absolute, so the run record and every message say where the run really is.
+    base = Path(pipeline.run.output_dir).resolve() / "-".join(filter(None, (pipeline.name, kind, stamp)))
     run_dir, suffix = base, 1
     while run_dir.exists():
         run_dir, suffix = base.with_name(f"{base.name}-{suffix}"), suffix + 1
@@ -96,6 +98,7 @@ def write_run_record(
         "metrics": metrics,
         "privacy": privacy,
         "training": training_statement(pipeline, result),
+        "written_to": locations_statement(run_dir, pipeline),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         # Which engine produced the run: CHANGELOG.md says which versions to distrust for what.
         "raydp_train_version": raydp_train_version(),
@@ -106,6 +109,12 @@ def write_run_record(
     if pipeline.model.kind == "hf":
         save_hf_model(result.model, pipeline.model, run_dir / "model")
     return path
+
+
+def locations_statement(run_dir: Path, pipeline: Pipeline) -> dict:
+    """Where this run's files and its budget's ledger are, as absolute paths or URIs."""
+    ledger = None if pipeline.budget is None else as_uri(pipeline.budget.ledger)
+    return {"run_dir": str(Path(run_dir).resolve()), "budget_ledger": ledger}
 
 
 def save_hf_model(model, config, folder: Path) -> None:

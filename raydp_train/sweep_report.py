@@ -15,7 +15,8 @@ def write_sweep_outputs(sweep, pipeline, on_line) -> None:
     if sweep.trials:
         pq.write_table(pa.Table.from_pylist(sweep.trials), directory / "results.parquet")
     (directory / "sweep.json").write_text(json.dumps(
-        {"trials": sweep.trials, "best": sweep.best, "privacy": sweep.privacy}, indent=2,
+        {"directory": str(directory), "trials": sweep.trials, "best": sweep.best,
+         "privacy": sweep.privacy}, indent=2,
         default=str))
     plot = write_privacy_utility_plot(sweep.trials, config.metric, directory / "privacy_utility.png",
                                       pipeline.name)
@@ -49,7 +50,7 @@ def privacy_text(privacy: dict) -> str:
     return (f"\nprivacy of the whole sweep: epsilon {privacy['epsilon']:.4f} at delta "
             f"{privacy['delta']:g} ({privacy['accountant'].upper()}, {how})\n"
             f"budget '{privacy['budget']}': epsilon {privacy['budget_epsilon_counted']:.4f} of "
-            f"{privacy['budget_epsilon']:g} counted in all")
+            f"{privacy['budget_epsilon']:g} counted in all (ledger {privacy.get('ledger')})")
 
 
 def write_privacy_utility_plot(trials: list[dict], metric: str, path, title: str):

@@ -27,6 +27,7 @@ import numpy as np
 from raydp_train.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
 from raydp_train.preflight import check_pipeline
 from raydp_train.privacy.budget import Spend
+from raydp_train.privacy.ledger import as_uri
 from raydp_train.privacy.random_stopping import draw_trial_count
 from raydp_train.report import new_run_dir
 from raydp_train.sweep_report import write_sweep_outputs
@@ -67,7 +68,8 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult:
     budget = open_budget(pipeline.budget)
     sweep_id = directory.name
     num_samples, trial_budget = config.num_samples, budget
-    privacy = {"selection": config.selection, "budget": pipeline.budget.name}
+    privacy = {"selection": config.selection, "budget": pipeline.budget.name,
+               "ledger": as_uri(pipeline.budget.ledger)}
     if config.selection == "random_stopping":
         num_samples = _draw_trial_count(pipeline)
         spend = random_stopping_spend(pipeline, plan)

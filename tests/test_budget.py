@@ -12,7 +12,9 @@ import pyarrow as pa
 import pytest
 from dp_accounting import pld, rdp
 
-from raydp_train.privacy.budget import BudgetAccountant, BudgetError, BudgetTerms, Spend
+from raydp_train.privacy import ledger as ledger_module
+from raydp_train.privacy.budget import BudgetError, BudgetTerms, Spend
+from raydp_train.privacy.budget_accountant import BudgetAccountant
 from raydp_train.privacy.ledger import LedgerCorruptError, LedgerError
 from raydp_train.privacy.random_stopping import draw_trial_count, gamma_for_mean, trial_count_mean
 
@@ -158,28 +160,23 @@ def test_full_disk_refuses_the_reservation(tmp_path, monkeypatch):
     """ENOSPC from the filesystem while the fragment is written: refused, nothing counted."""
     budget = _accountant(tmp_path)
     before, rows_before = budget.status(), budget.ledger.rows()
+    real_open = open
 
-    def disk_full(path, *args, **kwargs):
-        raise OSError(28, "No space left on device", path)
+    def disk_full_on_write(path, mode="r", *args, **kwargs):
+        stream = real_open(path, mode, *args, **kwargs)
+        if "x" in mode:  # the fragment's temporary file: it exists, the write fails
+            stream.write = lambda data: (_ for _ in ()).throw(
+                OSError(28, "No space left on device", path))
+        return stream
 
-    monkeypatch.setattr(budget.ledger, "filesystem", _FailingWrites(budget.ledger.filesystem,
-                                                                    disk_full))
+    monkeypatch.setattr(ledger_module, "open", disk_full_on_write, raising=False)
     with pytest.raises(LedgerError, match="No space left on device"):
         budget.reserve("r1", "t", Spend(0.02, 1.0, 10))
     assert budget.status() == before
     monkeypatch.undo()
     assert budget.ledger.rows() == rows_before  # no fragment, not even a partial one
+    assert not list((tmp_path / "b").glob(".*"))  # nor a temporary file left behind
     assert budget.reserve("r1", "t", Spend(0.02, 1.0, 10)).granted  # works once there is space
-
-
-class _FailingWrites:
-    """A pyarrow filesystem whose output streams fail; everything else is the real one."""
-
-    def __init__(self, real, open_output_stream):
-        self._real, self.open_output_stream = real, open_output_stream
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
 
 
 def test_reset_is_a_ledger_row_and_keeps_the_history(tmp_path):

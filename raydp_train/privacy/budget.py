@@ -4,9 +4,8 @@
 whether one more fits. Everything counted (settled steps, plus open reservations in full) is
 composed by dp-accounting and must stay within the budget's (epsilon, delta).
 
-`BudgetAccountant` is the Ray actor around a book and its ledger. It runs one call at a time,
-so deciding and recording a reservation is atomic, and it writes each change to the ledger
-BEFORE answering (write-ahead). A restarted actor rebuilds the book from the ledger alone.
+`replay` and `catch_up` rebuild a book from ledger rows; `budget_accountant.BudgetAccountant`
+puts a book and its ledger together (the Ray actor).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from raydp_train.privacy.accounting import (
     make_accountant,
     repeat_and_select_event,
 )
-from raydp_train.privacy.ledger import BudgetLedger, LedgerCorruptError, LedgerError
+from raydp_train.privacy.ledger import LedgerCorruptError
 
 NAMESPACE = "raydp_train"
 # Recomputing the ledger's events after a restart must give the epsilon it recorded.
@@ -285,98 +284,29 @@ def _spend_of(row: dict) -> Spend:
 def replay(rows: list[dict], terms: BudgetTerms | None = None) -> BudgetBook:
     """Rebuild a book from ledger rows (its terms are those of the first row; `terms` for an
     empty ledger), checking every row's terms and the recorded epsilon."""
-    if rows:
-        first = rows[0]
-        terms = BudgetTerms(first["budget"], first["budget_epsilon"], first["budget_delta"],
-                            first["accountant"])
-    book = BudgetBook(terms)
+    book = BudgetBook(terms_of(rows[0]) if rows else terms)
+    catch_up(book, rows)
+    return book
+
+
+def catch_up(book: BudgetBook, rows: list[dict]) -> None:
+    """Apply the rows that follow the book's last one (written by any writer), checking their
+    terms and that their events compose to the epsilon they recorded."""
     for row in rows:
-        if (row["budget"], row["budget_epsilon"], row["budget_delta"], row["accountant"]) != (
-                terms.name, terms.epsilon, terms.delta, terms.accountant):
+        if terms_of(row) != book.terms:
             raise LedgerCorruptError(f"ledger fragment {row['fragment']} has other budget terms")
         book.apply(row)
+    if not rows:
+        return
     recomputed = book.recomposed_epsilon()
     if not math.isclose(recomputed, book.epsilon, rel_tol=_REPLAY_RELATIVE_TOLERANCE,
                         abs_tol=1e-12):
         raise LedgerCorruptError(
-            f"ledger of '{terms.name}': its events compose to epsilon {recomputed:.6g}, but the "
-            f"last fragment ({rows[-1]['fragment']}) recorded {book.epsilon:.6g}")
-    return book
+            f"ledger of '{book.terms.name}': its events compose to epsilon {recomputed:.6g}, but "
+            f"the last fragment ({rows[-1]['fragment']}) recorded {book.epsilon:.6g}")
 
 
-class BudgetAccountant:
-    """The central accountant: run as a Ray actor (one call at a time) by `budget_actor`.
-
-    A ledger that cannot be read is not worked around: every call raises its error.
-    """
-
-    def __init__(self, ledger_root: str, terms: BudgetTerms):
-        self.ledger_root = ledger_root
-        self._broken: LedgerError | None = None
-        try:
-            self.ledger = BudgetLedger(ledger_root, terms.name)
-            rows = self.ledger.rows()
-            self.book = replay(rows, terms)
-            if not rows:  # a new budget: its terms are fixed by its first row
-                self._write(self.book.open_row())
-        except LedgerError as error:
-            self._broken = error
-
-    def check_terms(self, terms: BudgetTerms, ledger_root: str) -> dict:
-        """Refuse a user whose pipeline asks for other terms or another ledger."""
-        self._usable()
-        if terms != self.book.terms:
-            differ = [f"budget.{key}" for key in ("epsilon", "delta", "accountant")
-                      if getattr(terms, key) != getattr(self.book.terms, key)]
-            raise BudgetError(
-                f"{', '.join(differ)}: budget '{terms.name}' was created with "
-                f"epsilon={self.book.terms.epsilon:g}, delta={self.book.terms.delta:g}, "
-                f"accountant={self.book.terms.accountant}; "
-                f"this pipeline asks for epsilon={terms.epsilon:g}, delta={terms.delta:g}, "
-                f"accountant={terms.accountant}. A budget's terms never change: use these "
-                "values or another budget name")
-        if ledger_root != self.ledger_root:
-            raise BudgetError(f"budget.ledger: budget '{terms.name}' keeps its ledger at "
-                              f"{self.ledger_root}, not {ledger_root}")
-        return self.book.status()
-
-    def reserve(self, request_id: str, owner: str, spend: Spend) -> Decision:
-        self._usable()
-        if request_id in self.book.answers:  # a retried call: answer it again
-            return decision_of(self.book.answers[request_id])
-        decision, row, accountant = self.book.propose(request_id, owner, spend)
-        if row is not None:
-            self._write(row, accountant)  # durable BEFORE the grant leaves this actor
-        return decision
-
-    def settle(self, request_id: str, reservation: str, steps_done: int,
-               releases_done: int = 0) -> int:
-        """Close a reservation with what was used; returns the steps given back."""
-        self._usable()
-        if request_id not in self.book.answers:
-            self._write(*self.book.settle_row(request_id, reservation, steps_done, releases_done))
-        row = self.book.answers[request_id]
-        return self.book.reservations[reservation].spend.steps - row["steps"]
-
-    def status(self) -> dict:
-        self._usable()
-        return self.book.status()
-
-    def reset(self, request_id: str, note: str) -> dict:
-        """Append a reset row (see BudgetBook.reset_row); returns the status after it."""
-        self._usable()
-        if request_id not in self.book.answers:
-            self._write(*self.book.reset_row(request_id, note))
-        return self.book.status()
-
-    def epsilon_of(self, owner_prefix: str) -> float:
-        self._usable()
-        return self.book.epsilon_of(owner_prefix)
-
-    def _write(self, row: dict, accountant=None) -> None:
-        self.ledger.append(row)
-        self.book.apply(row, accountant)
-
-    def _usable(self) -> None:
-        if self._broken is not None:
-            raise self._broken
+def terms_of(row: dict) -> BudgetTerms:
+    """The budget terms every ledger row carries."""
+    return BudgetTerms(row["budget"], row["budget_epsilon"], row["budget_delta"],
+                       row["accountant"])

@@ -1,16 +1,35 @@
 """The budget ledger: an append-only directory of immutable one-row Parquet fragments.
 
 Each change to a budget (opened, reserved, settled, reset) is one fragment
-``<ledger>/<budget>/<seq>-<kind>-<id>.parquet``, written to a hidden temporary name and then
-renamed, through pyarrow's filesystem layer (a local directory or a URI such as s3://...).
-A fragment is complete once its name is visible, so a reservation is durable before the
-accountant grants it. Reading checks every fragment: an unreadable one, a gap in the sequence
-or a duplicate number is an error that names the file, never a row silently dropped.
+``<ledger>/<budget>/<seq>.parquet``. The ledger itself arbitrates between writers: a fragment
+is committed by an EXCLUSIVE create of its sequence number, so of two writers (two actors, two
+clusters, two embedded runs) that decided row n on the same view, exactly one commits it and
+the other is told so (`FragmentTaken`), reads what it missed and decides again. A plain
+rename would let the second replace or duplicate the first: the overspend this prevents.
+
+How the exclusive create is made, and where it holds:
+
+- local disk: the row is written to a hidden temporary file, flushed to disk, and hard-linked
+  to its final name; link(2) fails if the name exists, and the fragment is complete the moment
+  its name is visible.
+- NFS (v3 and v4, close-to-open consistency, the default): link(2) is exclusive on the server,
+  but a retransmitted link may report "exists" for a link that succeeded, so a failed link is
+  judged by the temporary file's link count (the recipe of open(2)). Missed fragments are read
+  by name, not from a possibly cached directory listing.
+- object stores (s3://, gs://, ...): only a conditional put ("create if absent") is exclusive,
+  and pyarrow's filesystems do not expose one: such a ledger is refused for writing. They can
+  still be read (`raydp-train budget status`).
+
+Reading checks every fragment: an unreadable one, a gap in the sequence or a duplicate number
+is an error that names the file, never a row silently dropped. Fragments named
+``<seq>-<kind>-<id>.parquet`` (written before exclusive creates) are read alike.
 """
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 import uuid
 from pathlib import Path
 
@@ -40,6 +59,10 @@ LEDGER_SCHEMA = pa.schema([
     ("running_epsilon", pa.float64()),  # epsilon of everything counted after this row
 ])
 
+_SEQ_DIGITS = 12
+# Errors of link(2) that mean "this filesystem has no hard links", not "the disk failed".
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
+
 
 class LedgerError(RuntimeError):
     """The ledger cannot be read or written; the message names the path."""
@@ -49,38 +72,70 @@ class LedgerCorruptError(LedgerError):
     """A fragment is unreadable or the sequence has a gap: the budget refuses to run on it."""
 
 
+class FragmentTaken(LedgerError):
+    """Another writer committed this sequence number first: read its row, then decide again."""
+
+
+def check_ledger_location(root: str) -> None:
+    """Refuse a ledger whose filesystem cannot create a fragment exclusively (see above).
+
+    Looks at the location only (no filesystem is contacted), so it can run before anything
+    is created or reserved."""
+    scheme = root.split("://", 1)[0].lower() if "://" in root else "file"
+    if scheme != "file":
+        raise LedgerError(
+            f"budget.ledger: {root}: a {scheme}:// ledger cannot create a fragment "
+            "exclusively (an object store needs a conditional put, which pyarrow does not "
+            "offer), so two writers could both spend the same budget. Use a local directory, "
+            "or a shared POSIX file system (NFS) mounted at the same path on every node")
+
+
 class BudgetLedger:
-    """The fragments of one budget under a ledger root (directory or URI)."""
+    """The fragments of one budget under a ledger root (directory or URI).
+
+    `create=True` (a writer) needs a filesystem with exclusive creates; reading needs none.
+    """
 
     def __init__(self, root: str, budget: str, create: bool = True):
         self.uri = f"{root.rstrip('/')}/{budget}"
-        try:
-            self.filesystem, base = fs.FileSystem.from_uri(as_uri(root))
-            self.directory = f"{base.rstrip('/')}/{budget}"
-            if create:
-                self.filesystem.create_dir(self.directory, recursive=True)
-        except (OSError, pa.ArrowInvalid) as error:
-            raise LedgerError(f"budget.ledger: cannot use {self.uri}: {error}") from error
+        if create:
+            check_ledger_location(root)
+        self.filesystem, base = _location(root)
+        self.directory = f"{base.rstrip('/')}/{budget}"
+        if create:
+            self._make_directory()
 
     def append(self, row: dict) -> None:
-        """Durably add `row` (all LEDGER_SCHEMA fields); raises LedgerError if not written."""
-        name = f"{row['seq']:012d}-{row['kind']}-{uuid.uuid4().hex[:8]}.parquet"
-        temporary, final = f"{self.directory}/.{name}.tmp", f"{self.directory}/{name}"
+        """Durably commit `row` as fragment number row['seq'].
+
+        Raises FragmentTaken if another writer committed that number first (this row is then
+        not in the ledger), LedgerError if the row could not be made durable (the caller
+        grants nothing; should its fragment have landed all the same, a writer reads it the
+        next time the number is taken, and it counts, conservatively)."""
+        name = fragment_name(row["seq"])
         buffer = io.BytesIO()
         pq.write_table(pa.Table.from_pylist([row], schema=LEDGER_SCHEMA), buffer)
+        temporary = f"{self.directory}/.{name}.{uuid.uuid4().hex}.tmp"
         try:
-            with self.filesystem.open_output_stream(temporary) as stream:
-                stream.write(buffer.getvalue())
-            self.filesystem.move(temporary, final)
+            _write_durably(temporary, buffer.getvalue())
+            committed = _link_exclusively(temporary, f"{self.directory}/{name}")
+            if committed:
+                _sync_directory(self.directory)
         except OSError as error:
-            raise LedgerError(f"cannot write ledger fragment {self.uri}/{name}: {error}") from error
+            raise LedgerError(self._write_problem(name, error)) from error
+        finally:
+            _remove_quietly(temporary)
+        if not committed:
+            raise FragmentTaken(f"ledger {self.uri}: fragment {name} was committed by another "
+                                "writer")
 
     def rows(self) -> list[dict]:
         """Every committed row in sequence order, after checking each fragment."""
         selector = fs.FileSelector(self.directory, allow_not_found=True)
         infos = [i for i in self.filesystem.get_file_info(selector)
                  if i.type == fs.FileType.File and not i.base_name.startswith(".")]
-        rows = [self._read(info) for info in sorted(infos, key=lambda i: i.base_name)]
+        rows = [self._read(info.path, info.base_name)
+                for info in sorted(infos, key=lambda i: i.base_name)]
         for expected, row in enumerate(rows):
             if row["seq"] != expected:
                 raise LedgerCorruptError(
@@ -89,24 +144,95 @@ class BudgetLedger:
                 )
         return rows
 
-    def _read(self, info: fs.FileInfo) -> dict:
-        path = f"{self.uri}/{info.base_name}"
+    def rows_from(self, seq: int) -> list[dict]:
+        """The rows committed from number `seq` on (what a writer that lost a race missed).
+
+        Read by name, one after the other, so a stale directory listing (NFS) cannot hide one."""
+        rows = []
+        while True:
+            name = fragment_name(seq + len(rows))
+            path = f"{self.directory}/{name}"
+            if self.filesystem.get_file_info(path).type != fs.FileType.File:
+                return rows
+            rows.append(self._read(path, name))
+
+    def _read(self, path: str, name: str) -> dict:
+        shown = f"{self.uri}/{name}"
         try:
-            with self.filesystem.open_input_file(info.path) as stream:
+            with self.filesystem.open_input_file(path) as stream:
                 table = pq.read_table(stream)
         except (OSError, pa.ArrowInvalid) as error:
-            raise LedgerCorruptError(f"ledger fragment {path} is unreadable: {error}") from error
+            raise LedgerCorruptError(f"ledger fragment {shown} is unreadable: {error}") from error
         if not table.schema.equals(LEDGER_SCHEMA) or table.num_rows != 1:
             raise LedgerCorruptError(
-                f"ledger fragment {path} does not hold exactly one row of the ledger schema"
+                f"ledger fragment {shown} does not hold exactly one row of the ledger schema"
             )
         row = table.to_pylist()[0]
-        if not info.base_name.startswith(f"{row['seq']:012d}-"):
-            raise LedgerCorruptError(f"ledger fragment {path} holds row number {row['seq']}")
-        row["fragment"] = info.base_name
+        if not name.startswith(f"{row['seq']:0{_SEQ_DIGITS}d}"):
+            raise LedgerCorruptError(f"ledger fragment {shown} holds row number {row['seq']}")
+        row["fragment"] = name
         return row
+
+    def _make_directory(self) -> None:
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as error:
+            raise LedgerError(f"budget.ledger: cannot use {self.uri}: {error}") from error
+
+    def _write_problem(self, name: str, error: OSError) -> str:
+        if error.errno in _NO_HARD_LINKS:
+            return (f"budget.ledger: the filesystem of {self.uri} has no hard links, so a "
+                    f"fragment cannot be created exclusively ({error}); use a local directory "
+                    "or NFS")
+        return f"cannot write ledger fragment {self.uri}/{name}: {error}"
+
+
+def fragment_name(seq: int) -> str:
+    return f"{seq:0{_SEQ_DIGITS}d}.parquet"
 
 
 def as_uri(path: str) -> str:
     """A local path as a file:// URI; URIs (s3://...) pass unchanged."""
     return path if "://" in path else Path(path).resolve().as_uri()
+
+
+def _location(root: str) -> tuple[fs.FileSystem, str]:
+    try:
+        return fs.FileSystem.from_uri(as_uri(root))
+    except (OSError, pa.ArrowInvalid) as error:
+        raise LedgerError(f"budget.ledger: cannot use {root}: {error}") from error
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    with open(path, "xb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+def _link_exclusively(temporary: str, final: str) -> bool:
+    """link(2) `final` to the written `temporary`: True if this call created `final`."""
+    try:
+        os.link(temporary, final)
+        return True
+    except FileExistsError:
+        # NFS: a retransmitted link that had succeeded answers "exists"; our file then has
+        # two links.
+        return os.stat(temporary).st_nlink > 1
+
+
+def _sync_directory(directory: str) -> None:
+    """Make the new name itself durable (the data already is), as a write-ahead log must."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _remove_quietly(path: str) -> None:
+    """Drop a temporary file; one left behind is hidden and never read, so not an error."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -27,19 +27,25 @@ class RunInterrupted(RuntimeError):
     full; earlier epochs are checkpointed in the run directory."""
 
 
+# Ray Train's controller polls its workers every 2 s by default, and each per-epoch report
+# waits for a poll; our epochs are often shorter than that. Ray Train passes these variables
+# from the process that calls fit() to its controller and workers, on any cluster.
+TRAIN_SETTINGS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+
+
 def ensure_ray(address: str | None, num_cpus: int) -> None:
-    """Connect to `address` (or RAY_ADDRESS) if given, else start an embedded local Ray."""
+    """Join the cluster at `address` if given, else start an embedded Ray of our own."""
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        # Ray Train's controller polls workers every 2 s by default and each per-epoch report
-        # waits for a poll; on a laptop epochs are shorter than that.
-        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+        # "local" always starts a new Ray: without it, ray.init joins any cluster that a
+        # `ray start --head` on this machine recorded (and refuses num_cpus there).
         # Logical CPUs may exceed the machine's: workers, the progress queue and Ray's own
         # controller must all be schedulable on a 2-core laptop (DESIGN §5).
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 log_to_driver=False)
 
 
 def fit(
@@ -60,6 +66,8 @@ def fit(
     `fail_at_step` makes the last rank raise once at that step (tests of restarts).
     """
     run_dir = Path(run_dir).resolve()
+    for name, value in TRAIN_SETTINGS.items():  # a user's own value wins
+        os.environ.setdefault(name, value)
     progress = Queue(actor_options={"num_cpus": 0})
     config = {
         "pipeline": pipeline.model_dump(mode="json"),

@@ -1,0 +1,63 @@
+"""Where a run writes: `run.output_dir` and `budget.ledger` must name the same place for every
+process that uses them, however the product is run.
+
+`ray job submit --working-dir DIR` runs the entrypoint inside Ray's per-job copy of DIR
+(`<session>/runtime_resources/working_dir_files/_ray_pkg_<content hash>/`). A relative path
+there lands in a temporary folder that changes with every edit of any file: the next job would
+start a fresh budget from a fresh ledger, and the run record would vanish with the session. So
+inside such a copy a relative path is refused, before anything is spent, with the absolute
+path it should have been.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from raydp_train.pipeline import Pipeline, PipelineError
+from raydp_train.privacy.ledger import check_ledger_location
+
+# Set by Ray's job server for the entrypoint of a submitted job: the job's runtime env.
+_JOB_CONFIG_VARIABLE = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+_WORKING_DIR_COPIES = os.sep + os.path.join("runtime_resources", "working_dir_files") + os.sep
+
+
+def check_locations(pipeline: Pipeline, source: str) -> None:
+    """Refuse output and ledger locations that would not mean the same place everywhere."""
+    problems = [_relative_in_job_copy(field, value) for field, value in _written_paths(pipeline)]
+    if pipeline.budget is not None:
+        check_ledger_location(pipeline.budget.ledger)
+    problems = [problem for problem in problems if problem]
+    if problems:
+        raise PipelineError(source, problems)
+
+
+def job_working_dir_copy() -> str | None:
+    """The Ray job working-directory copy this process runs in, or None."""
+    cwd = os.getcwd()
+    if _WORKING_DIR_COPIES in cwd + os.sep:
+        return cwd
+    try:
+        runtime_env = json.loads(os.environ.get(_JOB_CONFIG_VARIABLE, "{}")).get("runtime_env")
+    except json.JSONDecodeError:
+        return None
+    return cwd if (runtime_env or {}).get("working_dir") else None
+
+
+def _written_paths(pipeline: Pipeline) -> list[tuple[str, str]]:
+    paths = [("run.output_dir", pipeline.run.output_dir)]
+    if pipeline.budget is not None:
+        paths.append(("budget.ledger", pipeline.budget.ledger))
+    return paths
+
+
+def _relative_in_job_copy(field: str, value: str) -> str | None:
+    if "://" in value or Path(value).is_absolute():
+        return None
+    copy = job_working_dir_copy()
+    if copy is None:
+        return None
+    return (f"{field}: '{value}' is relative, and this Ray job runs in its temporary "
+            f"working-directory copy {copy}, which changes with every edited file: give an "
+            f"absolute path or a URI, e.g. --set {field}=$PWD/{value} in the submitting shell")

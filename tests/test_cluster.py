@@ -1,0 +1,126 @@
+"""Against a real `ray start --head` on loopback (its own ports and temporary directory, stopped
+by the fixture): an embedded run beside it does not join it, and the README's cluster section
+runs as written, with job submissions that spend from one budget.
+"""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from ray_head import BIN, start_head, stop_head
+
+from raydp_train.budget_report import budget_status
+from raydp_train.privacy.ledger import as_uri
+
+ROOT = Path(__file__).parents[1]
+WALKTHROUGH_MARKER = "<!-- cluster walkthrough: tests/test_cluster.py runs these lines -->"
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def head():
+    started = start_head()
+    try:
+        yield started
+    finally:
+        stop_head(started)
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory) -> Path:
+    """A copy of the working tree (tracked and new files), as a user's checkout."""
+    copy = tmp_path_factory.mktemp("checkout")
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    for name in listed.splitlines():
+        if (ROOT / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, copy / name)
+    return copy
+
+
+def _jobs_seen_by(head) -> int:
+    """Every job the head's GCS knows: submitted ones and drivers that joined it."""
+    listed = subprocess.run([str(BIN / "ray"), "list", "jobs", "--address", head.dashboard,
+                             "--format", "json"], env=head.env, capture_output=True, text=True,
+                            timeout=120, check=True)
+    if listed.stdout.startswith("No resource"):  # what `ray list` prints for none
+        return 0
+    return len(json.loads(listed.stdout))
+
+
+def test_an_embedded_run_beside_a_head_node_does_not_join_it(head, tmp_path):
+    before = _jobs_seen_by(head)
+    # The head's address file is where this run's Ray looks (RAY_TMPDIR): a plain ray.init()
+    # would join the head and refuse num_cpus there.
+    run = subprocess.run(
+        [str(BIN / "raydp-train"), "run", "pipelines/quickstart.yaml", "--set",
+         "training.epochs=2", "--set", f"run.output_dir={tmp_path}"],
+        env=head.env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "privacy spent" in run.stdout
+    assert _jobs_seen_by(head) == before
+
+
+def _walkthrough() -> list[str]:
+    """The README's cluster commands, continuation lines joined, comments dropped."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split(WALKTHROUGH_MARKER, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = block.replace("\\\n", " ").splitlines()
+    return [re.sub(r"\s+#.*$", "", command).strip() for command in commands if command.strip()]
+
+
+def _as_here(command: str, head) -> str:
+    """The README line on the test's own head node and this environment's executables."""
+    command = re.sub(r"(\$PWD/)?\.venv/bin/", f"{BIN}/", command)
+    return (command.replace("http://127.0.0.1:8265", head.dashboard)
+            .replace("127.0.0.1:6379", head.address))
+
+
+def _shell(command: str, head, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], env=head.env, cwd=cwd, check=False,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_readme_cluster_section_spends_one_budget_across_jobs(head, repository):
+    commands = _walkthrough()
+    assert commands[0] == "export RAY_AUTH_MODE=disabled"  # the fixture's head has it too
+    assert commands[1].startswith(".venv/bin/ray start --head")
+    assert commands[-1] == ".venv/bin/ray stop"  # the fixture stops only its own head
+    sweep = next(c for c in commands if " tune " in c)
+    for command in commands[2:-1]:
+        done = _shell(_as_here(command, head), head, repository)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    assert "sweep-digits-sweep-" in done.stdout  # `budget status` (last) shows the job's sweep
+    assert list((repository / "runs").glob("quickstart-*/record.json"))
+
+    # Edit a file: the next job runs in another working-directory copy, same budget.
+    (repository / "pipelines" / "sweep_digits.yaml").write_text(
+        (repository / "pipelines" / "sweep_digits.yaml").read_text() + "# edited\n")
+    after_first = budget_status("digits-sweep", str(repository / "budgets"))
+    _shell(_as_here(sweep, head), head, repository)  # exit 3 if no trial could finish
+    status = budget_status("digits-sweep", str(repository / "budgets"))
+    sweeps = [json.loads((directory / "sweep.json").read_text())["privacy"]
+              for directory in sorted((repository / "runs").glob("sweep-digits-sweep-*"))]
+    assert len(sweeps) == 2
+    ledger = as_uri(str(repository / "budgets"))
+    assert [sweep["ledger"] for sweep in sweeps] == [ledger, ledger]
+    # The second job counted the first one's spending: one budget, never exceeded.
+    assert sweeps[1]["budget_epsilon_counted"] == pytest.approx(status["epsilon_counted"])
+    assert after_first["epsilon_counted"] <= status["epsilon_counted"] <= status["epsilon"]
+    assert {owner.split("/")[0] for owner in status["owners"]} <= {
+        sweep_dir.name for sweep_dir in (repository / "runs").glob("sweep-digits-sweep-*")}
+
+
+def test_a_relative_ledger_in_a_job_working_dir_copy_is_refused(head, repository):
+    command = _as_here(".venv/bin/ray job submit --address http://127.0.0.1:8265 --working-dir "
+                       ". -- $PWD/.venv/bin/raydp-train tune pipelines/sweep_digits.yaml "
+                       "--set budget.name=relative-ledger --set run.output_dir=$PWD/runs", head)
+    done = _shell(command, head, repository)
+    assert done.returncode != 0
+    assert "budget.ledger: 'budgets' is relative" in done.stdout + done.stderr
+    assert "give an absolute path" in done.stdout + done.stderr
+    assert not list(head.temp.glob("**/working_dir_files/*/budgets"))  # nothing written there
