@@ -172,6 +172,14 @@ class HFModel(Section):
     task: Literal["sequence_classification"] = "sequence_classification"
     num_labels: NumClasses = None
     trainable: Literal["all"] | LastLayers | Annotated[list[str], Field(min_length=1)] = "all"
+    # cls: the model's own head ([CLS] through BERT's pooler); mean: masked mean of the last
+    # hidden states into the final Linear. null: what the checkpoint was trained with (a
+    # sentence-transformers 1_Pooling/config.json beside the weights), else cls.
+    pooling: Literal["cls", "mean"] | None = None
+    # L2-normalise the mean-pooled vector; null: as the checkpoint (a sentence-transformers
+    # Normalize module in modules.json). Only with pooling mean.
+    normalize: bool | None = None
+    head_init: Literal["default", "zeros"] = "default"  # zeros: the final Linear starts at 0
 
     @model_validator(mode="after")
     def _a_model_source(self) -> HFModel:
@@ -180,6 +188,9 @@ class HFModel(Section):
                                "name_or_path")
         if self.config is not None and "model_type" not in self.config:
             raise FieldProblem("needs model_type, e.g. bert", "config")
+        if self.normalize and self.pooling == "cls":
+            raise FieldProblem("normalizes the mean-pooled vector: only with pooling: mean",
+                               "normalize")
         return self
 
     @property
