@@ -1,6 +1,7 @@
 """Every check that can fail on bad input, run BEFORE any budget is reserved or any noisy
-gradient released: the tokenizer loads, the data loads, the plan fits it, the model builds
-and every trainable layer is supported (with LSG's settings when asked for)."""
+gradient released: the tokenizer loads, the data loads, the plan fits it, the model builds,
+every trainable layer is supported (with LSG's settings when asked for), and the
+optimizer's parameter groups and schedule fit the model and the run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from raydp_train.pipeline import Pipeline
 from raydp_train.plan import PlanError, PrivacyPlan, make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.lsg import LowRankSparseGradients
+from raydp_train.train.optim import make_optimizer, make_schedule
 
 
 def check_pipeline(pipeline: Pipeline) -> tuple[Dataset, PrivacyPlan]:
@@ -35,4 +37,6 @@ def check_pipeline(pipeline: Pipeline) -> tuple[Dataset, PrivacyPlan]:
         rules = LowRankSparseGradients(model, pipeline.privacy.lsg, torch.Generator()).rules
     if pipeline.privacy.mechanism != "none":
         PerExampleClipper(model, pipeline.privacy.clip_norm, rules=rules).close()
+    # Parameter groups match the parameters that train, so after LSG froze what it freezes.
+    make_schedule(make_optimizer(model, pipeline.training), pipeline.training, plan.steps)
     return dataset, plan

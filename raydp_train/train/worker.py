@@ -21,9 +21,8 @@ from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train.charges import BudgetExhausted, Charged
 from raydp_train.train.context import parameter_checksum
 from raydp_train.train.nonprivate import SummedGradients
+from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
 from raydp_train.train.step import cross_entropy_loss, private_step
-
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 @dataclass
@@ -42,14 +41,6 @@ class TrainResult:
     # std of the last step's reduced (noise + clipped) sum over its trained entries: about
     # sigma*C when the noise dominates; sqrt(W) times that if noise were added per worker.
     final_step_sum_std: float = float("nan")
-
-
-def make_optimizer(model: nn.Module, training) -> torch.optim.Optimizer:
-    options = {"lr": training.lr, "weight_decay": training.weight_decay}
-    if training.optimizer == "sgd":
-        options["momentum"] = training.momentum
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return OPTIMIZERS[training.optimizer](trainable, **options)
 
 
 def _low_rank_sparse(pipeline, model: nn.Module, context) -> LowRankSparseGradients | None:
@@ -87,6 +78,7 @@ def train(
     context.broadcast_parameters(model)
     lsg = _low_rank_sparse(pipeline, model, context)
     optimizer = make_optimizer(model, training)
+    schedule = make_schedule(optimizer, training, plan.steps)  # counts logical steps
     if pipeline.privacy.mechanism == "none":
         clipper = SummedGradients(model)  # the non-private reference: no clipping, no noise
     else:
@@ -104,6 +96,7 @@ def train(
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
         step, first_epoch, result.metrics = state["step"], state["epoch"] + 1, state["metrics"]
         if lsg is not None:
             lsg.refresh(step, first_epoch, force=True)  # carriers of the restored weights
@@ -133,6 +126,7 @@ def train(
                 model, clipper, optimizer, batches, cross_entropy_loss, std,
                 plan.expected_batch_size, noise_generator, context.all_reduce_sum, lsg,
             )
+            schedule.step()  # once per logical step, whatever its number of micro-batches
             loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
             if step == fail_at_step:
                 context.fail_once(step)
@@ -147,13 +141,15 @@ def train(
             "test_accuracy": accuracy(model, dataset.test_features, dataset.test_labels),
             "epsilon": plan.epsilon(charged.steps, releases=charged.releases),
             "elapsed_s": time.monotonic() - started,
+            "lr": training.lr * schedule_scale(optimizer),  # training.lr as scheduled
         }
         if dataset.validation_labels is not None:
             row["validation_accuracy"] = context.gather(
                 released_accuracy(model, dataset, plan, noise_generator))[0]
         context.settle(epoch_charge)
         result.metrics.append(row)
-        context.report(row, _checkpoint_state(model, optimizer, epoch, step, result.metrics))
+        context.report(row, _checkpoint_state(model, optimizer, schedule, epoch, step,
+                                              result.metrics))
     trained = clipper.flat_grad if lsg is None else clipper.flat_grad[lsg.kept]
     result.final_step_sum_std = trained.std().item() * plan.expected_batch_size
     clipper.close()
@@ -165,10 +161,12 @@ def train(
     return result
 
 
-def _checkpoint_state(model, optimizer, epoch: int, step: int, metrics: list[dict]) -> dict:
+def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
+                      metrics: list[dict]) -> dict:
     return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
         "epoch": epoch,
         "step": step,
         "metrics": list(metrics),
