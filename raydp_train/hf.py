@@ -161,7 +161,14 @@ def _head_and_last_layers(model: nn.Module, k: int) -> list[str]:
 
 def _encoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the longest nn.ModuleList in the model."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(encoder_layer_list(model)[2])
+
+
+def encoder_layer_list(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
+    """(owner, attribute, list) of the transformer blocks: the longest nn.ModuleList."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise HFModelError("model.trainable.last_k_layers: no layer list found in this model")
-    return list(max(lists, key=len))
+    name, layers = max(lists, key=lambda item: len(item[1]))
+    owner_name, _, attribute = name.rpartition(".")
+    return model.get_submodule(owner_name), attribute, layers

@@ -183,6 +183,11 @@ CASES = {
         "model.name_or_path: {data}/not_a_model holds no Hugging Face model",)),
     "labels-outside-num-labels": Case((text("text_three_labels.parquet"), hf()), (
         "labels must lie in [0, 1] for 2 classes (model.num_labels)",)),
+    "cache-frozen-prefix-of-trainable-embeddings": Case(
+        (text("text.parquet"), hf(), "training.cache_frozen_prefix=true"),
+        ("training.cache_frozen_prefix: the prefix is not frozen: the embeddings train",)),
+    "cache-frozen-prefix-of-a-logistic-model": Case(
+        ("training.cache_frozen_prefix=true",), ("training.cache_frozen_prefix: needs model.kind hf",)),
     "unsupported-trainable-layer": Case((text("text.parquet"), hf(config=TINY_LLAMA)), (
         "module 'model.model.layers.0.input_layernorm' (LlamaRMSNorm)", "no rule")),
     # --- run directories and sweeps

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from raydp_train.data import load_data
+from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.models import build_model, tokenizer_source
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.clipping import PerExampleClipper
@@ -100,6 +101,8 @@ def train(
         step, first_epoch, result.metrics = state["step"], state["epoch"] + 1, state["metrics"]
         if lsg is not None:
             lsg.refresh(step, first_epoch, force=True)  # carriers of the restored weights
+    # After the restore: the cache holds what this rank's model computes, frozen from now on.
+    per_example_loss, prefix_outputs = _frozen_prefix_cache(training, model, dataset, shard)
     ends = epoch_ends(training.epochs, plan.expected_batch_size, plan.num_examples)
     started = time.monotonic()
     for epoch in range(first_epoch, len(ends) + 1):
@@ -117,13 +120,10 @@ def train(
             if lsg is not None:
                 lsg.refresh(step, epoch)
             local = poisson_sample(len(shard), plan.sampling_rate, sampling_generator)
-            batches = (
-                (dataset.train_features[i].to(context.device),
-                 dataset.train_labels[i].to(context.device))
-                for i in micro_batches(shard[local], training.max_physical_batch)
-            )
+            batches = _micro_batches(dataset, shard, local, prefix_outputs,
+                                     training.max_physical_batch, context.device)
             stats = private_step(
-                model, clipper, optimizer, batches, cross_entropy_loss, std,
+                model, clipper, optimizer, batches, per_example_loss, std,
                 plan.expected_batch_size, noise_generator, context.all_reduce_sum, lsg,
             )
             schedule.step()  # once per logical step, whatever its number of micro-batches
@@ -159,6 +159,26 @@ def train(
     result.model_parameters = sum(p.numel() for p in model.parameters())
     result.checksums = context.gather(parameter_checksum(model))
     return result
+
+
+def _frozen_prefix_cache(training, model: nn.Module, dataset, shard: torch.Tensor):
+    """(per-example loss, outputs of the frozen prefix for this shard or None): with
+    training.cache_frozen_prefix the frozen bottom layers run once per example (hf_prefix)."""
+    if not training.cache_frozen_prefix:
+        return cross_entropy_loss, None
+    prefix = FrozenPrefix(model)
+    return cached_prefix_loss(prefix), prefix.outputs(model, dataset.train_features[shard])
+
+
+def _micro_batches(dataset, shard, local, prefix_outputs, size: int, device):
+    """(features, labels) of each micro-batch of the sampled shard positions `local`; the
+    features are (tokens, cached prefix outputs) when the frozen prefix is cached."""
+    for positions in micro_batches(local, size):
+        rows = shard[positions]
+        features = dataset.train_features[rows].to(device)
+        if prefix_outputs is not None:
+            features = (features, prefix_outputs[positions].to(device))
+        yield features, dataset.train_labels[rows].to(device)
 
 
 def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
