@@ -145,3 +145,18 @@ def test_normalize_needs_mean_pooling():
                      "normalize": True}}
     with pytest.raises(PipelineError, match="model.normalize: normalizes the mean-pooled"):
         pipeline_from_dict(raw)
+
+
+def test_the_run_record_says_which_pooling_ran():
+    from types import SimpleNamespace
+
+    from raydp_train.report import training_statement
+
+    raw = {"name": "x", "data": {"source": "synthetic"}, "privacy": {"noise_multiplier": 1.0},
+           "model": {"kind": "hf", "config": ARCHITECTURES["bert"]}}
+    result = SimpleNamespace(model=classifier(pooling="mean", normalize=True),
+                             model_parameters=1, trained_per_step=1)
+    statement = training_statement(pipeline_from_dict(raw), result)
+    assert statement["pooling"] == "mean" and statement["normalize"] is True
+    result.model = classifier()
+    assert training_statement(pipeline_from_dict(raw), result)["pooling"] == "cls"
