@@ -35,6 +35,10 @@ def resolve_pooling(config, folder: str | None) -> tuple[str, bool]:
     if pooling not in ("cls", "mean"):
         raise HFModelError(f"model.pooling: the checkpoint in {folder} pools with {pooling}, "
                            "which raydp_train does not support; set model.pooling: cls or mean")
+    if config.normalize and pooling != "mean":
+        raise HFModelError("model.normalize: normalizes the mean-pooled vector, but this model "
+                           f"pools with {pooling} (model.pooling: null follows the checkpoint); "
+                           "set model.pooling: mean")
     normalize = trained_normalize if config.normalize is None else config.normalize
     return pooling, normalize and pooling == "mean"
 

@@ -64,6 +64,9 @@ def test_checkpoint_pooling_reads_sentence_transformers_files(tmp_path):
     with pytest.raises(HFModelError, match=r"model.pooling: .* \['pooling_mode_max_tokens'\]"):
         resolve_pooling(unset, str(tmp_path))
     assert resolve_pooling(cls, str(tmp_path)) == ("cls", False)  # set: the files do not matter
+    normalized = HFModel(kind="hf", name_or_path="x", normalize=True)
+    with pytest.raises(HFModelError, match="model.normalize: .* pools with cls"):
+        resolve_pooling(normalized, None)  # a random model: cls
 
 
 def test_mean_pool_ignores_what_the_mask_drops():
