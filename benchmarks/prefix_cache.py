@@ -130,7 +130,8 @@ def report(runs: list[dict], steps: dict, args, rows_total: int, hidden: int,
     lines = [
         "## Frozen-prefix cache on SST-2 (benchmarks/prefix_cache.py)",
         "",
-        (f"`{PIPELINE}` (MiniLM, last 2 of 6 layers + head, DP-SGD, expected batch 256, "
+        (f"`{PIPELINE}` (MiniLM, mean pooling, last 2 of 6 layers + head, DP-SGD, expected batch "
+         f"256, "
          f"micro-batches of 64, {max_length} tokens) on the first {args.rows} training "
          f"sentences for {args.epochs} epoch(s), `training.cache_frozen_prefix` false / true "
          "alternating in one process (world size 1, 2 torch threads, no Ray). This 2-core "
