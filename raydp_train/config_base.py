@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import typing
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
@@ -20,10 +21,15 @@ class Section(BaseModel):
         # Pydantic would quietly read `epochs: yes` as 1: only bool fields take booleans.
         for key, value in raw.items() if isinstance(raw, dict) else ():
             field = cls.model_fields.get(key)
-            if isinstance(value, bool) and field is not None and field.annotation is not bool:
+            if isinstance(value, bool) and field is not None and not _takes_bool(field.annotation):
                 raise FieldProblem(f"must not be a boolean, got {show(value)} "
                                     "(YAML reads yes/no/on/off as true/false)", key)
         return raw
+
+
+def _takes_bool(annotation: Any) -> bool:
+    """bool, or a union with bool in it (`bool | None`)."""
+    return annotation is bool or bool in typing.get_args(annotation)
 
 
 def exactly_one(section: BaseModel, a: str, b: str, field: str | None) -> None:

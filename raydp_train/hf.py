@@ -17,9 +17,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-
-class HFModelError(ValueError):
-    """The `model` section names a model that cannot be loaded; the message says which field."""
+from raydp_train.hf_heads import (
+    HFModelError,
+    MeanPoolingHead,
+    classification_head,
+    initialize_head,
+    resolve_pooling,
+    unused_by_mean_pooling,
+)
 
 
 def resolve_name_or_path(name_or_path: str) -> str:
@@ -40,18 +45,28 @@ def resolve_name_or_path(name_or_path: str) -> str:
 
 
 class SequenceClassifier(nn.Module):
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, pooling_head: MeanPoolingHead | None = None):
         super().__init__()
         self.model = model
+        # None: the model's own head (pooling cls); else the mean-pooling head on its Linear.
+        self.__dict__["pooling_head"] = pooling_head
         embeddings = getattr(model.base_model, "embeddings", None)
         # RoBERTa-style models count positions after their padding index, from the ids.
         self.padding_idx = getattr(embeddings, "padding_idx", None)
 
+    @property
+    def pooling(self) -> str:
+        return "cls" if self.pooling_head is None else "mean"
+
     def forward(self, tokens: Tensor) -> Tensor:
         # contiguous copies: peers such as Opacus `.view` the ids of an embedding
         input_ids, attention_mask = tokens[:, 0].contiguous(), tokens[:, 1].contiguous()
-        return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=self.position_ids(input_ids)).logits
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+                  "position_ids": self.position_ids(input_ids)}
+        if self.pooling_head is None:
+            return self.model(**inputs).logits
+        hidden = self.model.base_model(**inputs).last_hidden_state
+        return self.pooling_head(hidden, attention_mask)
 
     def position_ids(self, input_ids: Tensor) -> Tensor:
         batch, length = input_ids.shape
@@ -62,12 +77,14 @@ class SequenceClassifier(nn.Module):
 
 
 def build_hf_model(config, num_labels: int) -> SequenceClassifier:
-    """The classifier of `config` (a pipeline `model` section of kind hf), trainable as asked."""
+    """The classifier of `config` (a pipeline `model` section of kind hf), trainable as asked,
+    with the pooling and head initialization of `model.pooling` / `model.head_init`."""
     import transformers
 
     if config.config is not None:  # random initialization, e.g. tiny models in tests
         hf_config = transformers.AutoConfig.for_model(**{**config.config, "num_labels": num_labels})
         model = transformers.AutoModelForSequenceClassification.from_config(hf_config)
+        folder = None
     else:
         path = resolve_name_or_path(config.name_or_path)
         try:
@@ -75,10 +92,18 @@ def build_hf_model(config, num_labels: int) -> SequenceClassifier:
                 path, num_labels=num_labels)
         except (OSError, ValueError) as error:
             raise HFModelError(f"model.name_or_path: cannot load {path!r}: {error}") from error
+        folder = path
     if model.config.pad_token_id is None:  # GPT-2 needs it to find each example's last token
         model.config.pad_token_id = 0
-    _set_trainable(model, config.trainable)
-    return SequenceClassifier(model)
+    pooling, normalize = resolve_pooling(config, folder)
+    head_name, head = classification_head(model, num_labels) if (
+        pooling == "mean" or config.head_init != "default") else (None, None)
+    if head is not None:
+        initialize_head(head, config.head_init)
+    unused = unused_by_mean_pooling(model, head_name) if pooling == "mean" else set()
+    _set_trainable(model, config.trainable, unused)
+    pooling_head = MeanPoolingHead(head, normalize) if pooling == "mean" else None
+    return SequenceClassifier(model, pooling_head)
 
 
 def load_tokenizer(config):
@@ -98,21 +123,29 @@ def load_tokenizer(config):
         raise HFModelError(f"model.name_or_path: no tokenizer in {path!r}: {error}") from error
 
 
-def _set_trainable(model: nn.Module, trainable) -> None:
-    """`all`, `{last_k_layers: k}` (the head plus the last k encoder layers), or patterns."""
-    if trainable == "all":
-        return
+def _set_trainable(model: nn.Module, trainable, unused: set[str]) -> None:
+    """`all`, `{last_k_layers: k}` (the head plus the last k encoder layers), or patterns.
+    Parameters in `unused` (bypassed by the pooling) are frozen: trained, they would only
+    collect noise."""
     names = [name for name, _ in model.named_parameters()]
-    if isinstance(trainable, list):
+    if trainable == "all":
+        keep = set(names)
+    elif isinstance(trainable, list):
         keep = {n for n in names if any(fnmatch.fnmatch(n, p) for p in trainable)}
         unmatched = [p for p in trainable if not any(fnmatch.fnmatch(n, p) for n in names)]
         if unmatched:
             raise HFModelError(f"model.trainable: patterns {unmatched} match no parameter; "
                                f"names look like {names[-1]!r}")
+        bypassed = [p for p in trainable
+                    if all(n in unused for n in names if fnmatch.fnmatch(n, p))]
+        if bypassed:
+            raise HFModelError(f"model.trainable: patterns {bypassed} match only parameters "
+                               "that model.pooling mean does not use (the pooler and head "
+                               "layers before the final Linear); drop them")
     else:
         keep = set(_head_and_last_layers(model, trainable.last_k_layers))
     for name, parameter in model.named_parameters():
-        parameter.requires_grad_(name in keep)
+        parameter.requires_grad_(name in keep and name not in unused)
 
 
 def _head_and_last_layers(model: nn.Module, k: int) -> list[str]:
@@ -128,7 +161,14 @@ def _head_and_last_layers(model: nn.Module, k: int) -> list[str]:
 
 def _encoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the longest nn.ModuleList in the model."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(encoder_layer_list(model)[2])
+
+
+def encoder_layer_list(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
+    """(owner, attribute, list) of the transformer blocks: the longest nn.ModuleList."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise HFModelError("model.trainable.last_k_layers: no layer list found in this model")
-    return list(max(lists, key=len))
+    name, layers = max(lists, key=lambda item: len(item[1]))
+    owner_name, _, attribute = name.rpartition(".")
+    return model.get_submodule(owner_name), attribute, layers

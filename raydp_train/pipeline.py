@@ -22,6 +22,7 @@ from pydantic import (
 
 from raydp_train.config_base import SafeName, Section, exactly_one
 from raydp_train.config_errors import FieldProblem, PipelineError, describe, show, yaml_problem
+from raydp_train.config_training import ParamGroup, TrainingConfig
 from raydp_train.sweep_config import BudgetConfig, TuneConfig
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "LsgConfig",
     "MlpModel",
     "ModelConfig",
+    "ParamGroup",
     "ParquetData",
     "Pipeline",
     "PipelineError",
@@ -182,6 +184,14 @@ class HFModel(Section):
     task: Literal["sequence_classification"] = "sequence_classification"
     num_labels: NumClasses = None
     trainable: Literal["all"] | LastLayers | Annotated[list[str], Field(min_length=1)] = "all"
+    # cls: the model's own head ([CLS] through BERT's pooler); mean: masked mean of the last
+    # hidden states into the final Linear. null: what the checkpoint was trained with (a
+    # sentence-transformers 1_Pooling/config.json beside the weights), else cls.
+    pooling: Literal["cls", "mean"] | None = None
+    # L2-normalise the mean-pooled vector; null: as the checkpoint (a sentence-transformers
+    # Normalize module in modules.json). Only with pooling mean.
+    normalize: bool | None = None
+    head_init: Literal["default", "zeros"] = "default"  # zeros: the final Linear starts at 0
 
     @model_validator(mode="after")
     def _a_model_source(self) -> HFModel:
@@ -190,6 +200,9 @@ class HFModel(Section):
                                "name_or_path")
         if self.config is not None and "model_type" not in self.config:
             raise FieldProblem("needs model_type, e.g. bert", "config")
+        if self.normalize and self.pooling == "cls":
+            raise FieldProblem("normalizes the mean-pooled vector: only with pooling: mean",
+                               "normalize")
         return self
 
     @property
@@ -238,18 +251,6 @@ class PrivacyConfig(Section):
         if self.mechanism == "dpsgd" and self.lsg is not None:
             raise FieldProblem("only allowed with mechanism: lsg", "lsg")
         return self
-
-
-class TrainingConfig(Section):
-    epochs: int = Field(30, gt=0)
-    batch_size: int = Field(64, gt=0)  # expected logical batch under Poisson sampling
-    max_physical_batch: int = Field(256, gt=0)  # memory cap; does not change the privacy math
-    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: float = Field(0.1, gt=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    workers: int = Field(1, ge=1)  # Ray Train workers, each clipping its own shard
-    use_gpu: bool = False  # one GPU per worker; model, step and noise on it
 
 
 class RunConfig(Section):
@@ -356,9 +357,10 @@ def dump_pipeline(p: Pipeline) -> str:
 
 def _apply_one(raw: dict, text: str) -> None:
     key, eq, value_text = text.partition("=")
-    parts = key.strip().split(".")
-    if not eq or not all(parts):
-        raise ValueError("expected KEY=VALUE with a dotted KEY, e.g. training.lr=0.01")
+    steps = _key_path(key) if eq else None
+    if not steps:
+        raise ValueError("expected KEY=VALUE with a dotted KEY, e.g. training.lr=0.01 or "
+                         "training.param_groups[0].lr=0.01")
     try:
         value = yaml.safe_load(value_text)
     except yaml.YAMLError as e:
@@ -367,13 +369,37 @@ def _apply_one(raw: dict, text: str) -> None:
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
         value = float(value)
     node = raw
-    for depth, part in enumerate(parts[:-1]):
-        if node.get(part) is None:
-            node[part] = {}
-        elif not isinstance(node[part], dict):
-            where = ".".join(parts[: depth + 1])
-            raise ValueError(f"{where} is {show(node[part])}, not a section with fields")
-        node = node[part]
-    node[parts[-1]] = value
+    for depth, step in enumerate(steps[:-1]):
+        wants_list = isinstance(steps[depth + 1], int)
+        if isinstance(step, str) and node.get(step) is None and not wants_list:
+            node[step] = {}
+        node = _child(node, step, _key_text(steps[: depth + 1]))
+        kind = list if wants_list else dict
+        if not isinstance(node, kind):
+            what = "a list" if wants_list else "a section with fields"
+            where = _key_text(steps[: depth + 1])
+            raise ValueError(f"{where} is {show(node)}, not {what}")  # noqa: TRY004 (user input)
+    if isinstance(steps[-1], int):
+        _child(node, steps[-1], _key_text(steps))  # an existing entry: lists do not grow here
+    node[steps[-1]] = value
 
 
+def _key_path(key: str) -> list[str | int] | None:
+    """`a.b[1].c` -> ["a", "b", 1, "c"]; None if malformed."""
+    steps: list[str | int] = []
+    for part in key.strip().split("."):
+        match = re.fullmatch(r"([^\[\]]+)((?:\[\d+\])*)", part)
+        if match is None:
+            return None
+        steps += [match[1], *(int(i) for i in re.findall(r"\d+", match[2]))]
+    return steps
+
+
+def _key_text(steps: list[str | int]) -> str:
+    return "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in steps).lstrip(".")
+
+
+def _child(node, step: str | int, where: str):
+    if isinstance(step, int) and step >= len(node):
+        raise ValueError(f"{where}: no such entry (the list has {len(node)})")
+    return node.get(step) if isinstance(step, str) else node[step]

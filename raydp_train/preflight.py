@@ -1,17 +1,20 @@
 """Every check that can fail on bad input, run BEFORE any budget is reserved or any noisy
-gradient released: the tokenizer loads, the data loads, the plan fits it, the model builds
-and every trainable layer is supported (with LSG's settings when asked for)."""
+gradient released: the tokenizer loads, the data loads, the plan fits it, the model builds,
+every trainable layer is supported (with LSG's settings when asked for), and the
+optimizer's parameter groups, the schedule and the frozen-prefix cache fit the model and run."""
 
 from __future__ import annotations
 
 import torch
 
 from raydp_train.data import Dataset, load_data
+from raydp_train.hf_prefix import FrozenPrefix
 from raydp_train.models import build_model, tokenizer_source
 from raydp_train.pipeline import Pipeline
 from raydp_train.plan import PlanError, PrivacyPlan, make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.lsg import LowRankSparseGradients
+from raydp_train.train.optim import make_optimizer, make_schedule
 
 
 def check_pipeline(pipeline: Pipeline) -> tuple[Dataset, PrivacyPlan]:
@@ -35,4 +38,8 @@ def check_pipeline(pipeline: Pipeline) -> tuple[Dataset, PrivacyPlan]:
         rules = LowRankSparseGradients(model, pipeline.privacy.lsg, torch.Generator()).rules
     if pipeline.privacy.mechanism != "none":
         PerExampleClipper(model, pipeline.privacy.clip_norm, rules=rules).close()
+    # These look at the parameters that train, so after LSG froze what it freezes.
+    if pipeline.training.cache_frozen_prefix:
+        FrozenPrefix(model)
+    make_schedule(make_optimizer(model, pipeline.training), pipeline.training, plan.steps)
     return dataset, plan

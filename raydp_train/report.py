@@ -71,13 +71,17 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
 
 def training_statement(pipeline: Pipeline, result) -> dict:
     """What each step trained and communicated (LSG trains far fewer numbers than the model)."""
-    return {
+    statement = {
         "mechanism": pipeline.privacy.mechanism,
         "model_parameters": result.model_parameters,
         "trained_numbers_per_step": result.trained_per_step,
         "allreduce_numbers_per_step": result.trained_per_step,
         "allreduce_collectives_per_step": 1,
     }
+    if hasattr(result.model, "pooling"):  # hf: the pooling model.pooling: null resolved to
+        head = result.model.pooling_head
+        statement.update(pooling=result.model.pooling, normalize=bool(head and head.normalize))
+    return statement
 
 
 def raydp_train_version() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -25,8 +26,14 @@ class BudgetConfig(Section):
 
 SEARCHABLE = (
     "privacy.noise_multiplier", "privacy.clip_norm", "privacy.lsg.rank", "privacy.lsg.sparsity",
-    "training.lr",
+    "training.lr", "training.weight_decay", "training.warmup_steps", "training.warmup_fraction",
+    "training.param_groups[i].lr", "training.param_groups[i].weight_decay",
 )
+
+
+def searchable(key: str) -> bool:
+    """A listed field; `[i]` stands for any index of an entry the pipeline has."""
+    return re.sub(r"\[\d+\]", "[i]", key) in SEARCHABLE
 
 
 class SearchDimension(Section):
@@ -104,7 +111,7 @@ class TuneConfig(Section):
     @classmethod
     def _searchable(cls, space: dict) -> dict:
         for key in space:
-            if key not in SEARCHABLE:
+            if not searchable(key):
                 raise FieldProblem(f"cannot search {key!r}; searchable: {', '.join(SEARCHABLE)}")
         return space
 

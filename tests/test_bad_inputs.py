@@ -117,6 +117,18 @@ CASES = {
     "epochs-zero": Case(("training.epochs=0",), ("training.epochs: must be > 0, got 0",)),
     "max-physical-batch-zero": Case(("training.max_physical_batch=0",),
                                     ("training.max_physical_batch: must be > 0, got 0",)),
+    "param-group-pattern-matches-nothing": Case(
+        (setting("training.param_groups", [{"params": ["1.*"]}, {"params": ["x*"], "lr": 1}]),),
+        ("training.param_groups[1].params: pattern 'x*' matches no trainable parameter",)),
+    "param-group-lr-zero": Case(
+        (setting("training.param_groups", [{"params": ["1.*"], "lr": 0}]),),
+        ("training.param_groups[0].lr: must be > 0, got 0",)),
+    "unknown-schedule": Case(("training.schedule=step",),
+                             ("training.schedule: must be one of 'constant', 'linear', 'cosine'",)),
+    "warmup-longer-than-the-run": Case(("training.warmup_steps=11",),
+                                       ("training.warmup_steps: must be <= the run's 10 steps",)),
+    "two-warmups": Case(("training.warmup_steps=1", "training.warmup_fraction=0.1"),
+                        ("training.warmup_steps: set warmup_steps or warmup_fraction, not both",)),
     "validation-fraction-above-one": Case(
         (setting("data.validation", {"fraction": 1.5}),),
         ("data.validation.fraction: must be < 1, got 1.5",)),
@@ -175,6 +187,11 @@ CASES = {
         "model.name_or_path: {data}/not_a_model holds no Hugging Face model",)),
     "labels-outside-num-labels": Case((text("text_three_labels.parquet"), hf()), (
         "labels must lie in [0, 1] for 2 classes (model.num_labels)",)),
+    "cache-frozen-prefix-of-trainable-embeddings": Case(
+        (text("text.parquet"), hf(), "training.cache_frozen_prefix=true"),
+        ("training.cache_frozen_prefix: the prefix is not frozen: the embeddings train",)),
+    "cache-frozen-prefix-of-a-logistic-model": Case(
+        ("training.cache_frozen_prefix=true",), ("training.cache_frozen_prefix: needs model.kind hf",)),
     "unsupported-trainable-layer": Case((text("text.parquet"), hf(config=TINY_LLAMA)), (
         "module 'model.model.layers.0.input_layernorm' (LlamaRMSNorm)", "no rule")),
     # --- run directories and sweeps
@@ -189,6 +206,11 @@ CASES = {
         (setting("data.validation", {"fraction": 0.25, "private": False}),
          setting("tune", {"search_space": {"training.lr": {"choice": [-0.1, 0.1]}}})),
         ("tune.search_space.training.lr=-0.1", "training.lr: must be > 0, got -0.1"),
+        command="tune"),
+    "tune-param-group-that-does-not-exist": Case(
+        (setting("data.validation", {"fraction": 0.25, "private": False}),
+         setting("tune", {"search_space": {"training.param_groups[0].lr": {"choice": [0.1]}}})),
+        ("--set training.param_groups[0].lr=0.1: training.param_groups[0]: no such entry",),
         command="tune"),
 }
 

@@ -99,12 +99,18 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
     overrides = [f"run.output_dir={tmp_path}/runs", f"budget.ledger={tmp_path}/budgets",
                  "budget.name=test-random-stopping", "budget.epsilon=20", "training.epochs=1",
                  "tune.selection=random_stopping", "tune.random_stopping={mean_trials: 2}",
-                 "tune.max_concurrent_trials=2", "run.seed=5"]
+                 "tune.max_concurrent_trials=2", "run.seed=5",
+                 # A parameter group's lr is searched like any field (the head: layer 3).
+                 "training.param_groups=[{params: ['3.*'], lr: 0.01}]",
+                 ("tune.search_space={privacy.noise_multiplier: {choice: [1.2, 1.5, 2.0]}, "
+                 "'training.param_groups[0].lr': {loguniform: [0.003, 0.03]}}")]
     assert main(["tune", "pipelines/sweep_digits.yaml"]
                 + [x for o in overrides for x in ("--set", o)]) == 0
     (sweep_dir,) = (tmp_path / "runs").glob("sweep-digits-sweep-*")
     summary = json.loads((sweep_dir / "sweep.json").read_text())
     assert len(summary["trials"]) == summary["privacy"]["trials_drawn"] >= 1
+    assert all(0.003 <= t["training.param_groups[0].lr"] <= 0.03 for t in summary["trials"])
+    assert not [t["error"] for t in summary["trials"] if "error" in t]  # each trial applied it
     rows = ledger_rows("test-random-stopping", f"{tmp_path}/budgets")
     assert [(r["kind"], r["mechanism"]) for r in rows[1:]] == [
         ("reserve", "random_stopping"), ("settle", "random_stopping")]

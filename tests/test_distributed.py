@@ -1,6 +1,7 @@
 """DP-SGD on a real local Ray Train worker group (one shared Ray session; few, small runs)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -140,7 +141,7 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(ray_session, tmp_path)
     as `raydp-train run --resume RUN_DIR` does, and still counts the lost steps."""
     from ray.train import TrainingFailedError
 
-    pipeline = pipeline_from_dict({**small_pipeline(2, epochs=3).model_dump(),
+    pipeline = pipeline_from_dict({**small_pipeline(2, epochs=3, schedule="cosine").model_dump(),
                                    "run": {"seed": 11, "max_failures": 0}})
     plan = make_plan(pipeline, 640)
     with pytest.raises(TrainingFailedError):
@@ -148,6 +149,10 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(ray_session, tmp_path)
     result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
     assert result.steps_done == 30 and result.steps_charged == 40
     assert [r["epoch"] for r in result.metrics] == [1, 2, 3]
+    # The schedule went on from the checkpoint's step 10, not from 0: lr(k) = lr (1 + cos(pi k
+    # / 30)) / 2 after k = 10, 20, 30 steps.
+    cosine = [0.5 * (1 + math.cos(math.pi * k / 30)) for k in (10, 20, 30)]
+    assert [r["lr"] for r in result.metrics] == pytest.approx(cosine, abs=1e-12)
 
 
 def test_epsilon_does_not_depend_on_the_number_of_workers():

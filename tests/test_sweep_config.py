@@ -123,3 +123,16 @@ def test_trial_rows_cover_trials_the_time_budget_never_started():
                  "steps_charged": 20, "validation_accuracy": 0.8, "test_accuracy": 0.7},
         config={"privacy.noise_multiplier": 2.0}, error=None), config)
     assert finished["stop_reason"] == "completed" and finished["privacy.noise_multiplier"] == 2.0
+
+
+def test_param_group_fields_are_searchable_by_index():
+    groups = "training.param_groups=[{params: ['1.*'], lr: 0.5}]"
+    space = ("tune.search_space={'training.param_groups[0].lr': {loguniform: [0.01, 1]}, "
+             "training.warmup_fraction: {choice: [0, 0.1]}}")
+    pipeline = load_pipeline(SWEEP, [groups, space])
+    assert list(pipeline.tune.search_space) == ["training.param_groups[0].lr",
+                                                "training.warmup_fraction"]
+    trial = load_pipeline(SWEEP, [groups, space, "training.param_groups[0].lr=0.02"])
+    assert trial.training.param_groups[0].lr == 0.02  # how a trial applies its value
+    assert "cannot search 'training.param_groups[0].params'" in _error(
+        groups, "tune.search_space={'training.param_groups[0].params': {choice: [1]}}")

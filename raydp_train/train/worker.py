@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from raydp_train.data import load_data
+from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.models import build_model, tokenizer_source
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.clipping import PerExampleClipper
@@ -21,9 +22,8 @@ from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum
 from raydp_train.train.nonprivate import SummedGradients
+from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
 from raydp_train.train.step import cross_entropy_loss, private_step
-
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 @dataclass
@@ -44,14 +44,6 @@ class TrainResult:
     # std of the last step's reduced (noise + clipped) sum over its trained entries: about
     # sigma*C when the noise dominates; sqrt(W) times that if noise were added per worker.
     final_step_sum_std: float = float("nan")
-
-
-def make_optimizer(model: nn.Module, training) -> torch.optim.Optimizer:
-    options = {"lr": training.lr, "weight_decay": training.weight_decay}
-    if training.optimizer == "sgd":
-        options["momentum"] = training.momentum
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return OPTIMIZERS[training.optimizer](trainable, **options)
 
 
 def _low_rank_sparse(pipeline, model: nn.Module, context) -> LowRankSparseGradients | None:
@@ -89,6 +81,7 @@ def train(
     context.broadcast_parameters(model)
     lsg = _low_rank_sparse(pipeline, model, context)
     optimizer = make_optimizer(model, training)
+    schedule = make_schedule(optimizer, training, plan.steps)  # counts logical steps
     if pipeline.privacy.mechanism == "none":
         clipper = SummedGradients(model)  # the non-private reference: no clipping, no noise
     else:
@@ -106,9 +99,12 @@ def train(
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
         step, first_epoch, result.metrics = state["step"], state["epoch"] + 1, state["metrics"]
         if lsg is not None:
             lsg.refresh(step, first_epoch, force=True)  # carriers of the restored weights
+    # After the restore: the cache holds what this rank's model computes, frozen from now on.
+    per_example_loss, prefix_outputs = _frozen_prefix_cache(training, model, dataset, shard)
     ends = epoch_ends(training.epochs, plan.expected_batch_size, plan.num_examples)
     started = time.monotonic()
     for epoch in range(first_epoch, len(ends) + 1):
@@ -126,15 +122,13 @@ def train(
             if lsg is not None:
                 lsg.refresh(step, epoch)
             local = poisson_sample(len(shard), plan.sampling_rate, sampling_generator)
-            batches = (
-                (dataset.train_features[i].to(context.device),
-                 dataset.train_labels[i].to(context.device))
-                for i in micro_batches(shard[local], training.max_physical_batch)
-            )
+            batches = _micro_batches(dataset, shard, local, prefix_outputs,
+                                     training.max_physical_batch, context.device)
             stats = private_step(
-                model, clipper, optimizer, batches, cross_entropy_loss, std,
+                model, clipper, optimizer, batches, per_example_loss, std,
                 plan.expected_batch_size, noise_generator, context.all_reduce_sum, lsg,
             )
+            schedule.step()  # once per logical step, whatever its number of micro-batches
             loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
             if step == fail_at_step:
                 context.fail_once(step)
@@ -149,13 +143,15 @@ def train(
             "test_accuracy": accuracy(model, dataset.test_features, dataset.test_labels),
             "epsilon": plan.epsilon(charged.steps, releases=charged.releases),
             "elapsed_s": time.monotonic() - started,
+            "lr": training.lr * schedule_scale(optimizer),  # training.lr as scheduled
         }
         if dataset.validation_labels is not None:
             row["validation_accuracy"] = context.gather(
                 released_accuracy(model, dataset, plan, noise_generator))[0]
         context.settle(epoch_charge)
         result.metrics.append(row)
-        context.report(row, _checkpoint_state(model, optimizer, epoch, step, result.metrics))
+        context.report(row, _checkpoint_state(model, optimizer, schedule, epoch, step,
+                                              result.metrics))
     trained = clipper.flat_grad if lsg is None else clipper.flat_grad[lsg.kept]
     result.final_step_sum_std = trained.std().item() * plan.expected_batch_size
     clipper.close()
@@ -167,10 +163,32 @@ def train(
     return result
 
 
-def _checkpoint_state(model, optimizer, epoch: int, step: int, metrics: list[dict]) -> dict:
+def _frozen_prefix_cache(training, model: nn.Module, dataset, shard: torch.Tensor):
+    """(per-example loss, outputs of the frozen prefix for this shard or None): with
+    training.cache_frozen_prefix the frozen bottom layers run once per example (hf_prefix)."""
+    if not training.cache_frozen_prefix:
+        return cross_entropy_loss, None
+    prefix = FrozenPrefix(model)
+    return cached_prefix_loss(prefix), prefix.outputs(model, dataset.train_features[shard])
+
+
+def _micro_batches(dataset, shard, local, prefix_outputs, size: int, device):
+    """(features, labels) of each micro-batch of the sampled shard positions `local`; the
+    features are (tokens, cached prefix outputs) when the frozen prefix is cached."""
+    for positions in micro_batches(local, size):
+        rows = shard[positions]
+        features = dataset.train_features[rows].to(device)
+        if prefix_outputs is not None:
+            features = (features, prefix_outputs[positions].to(device))
+        yield features, dataset.train_labels[rows].to(device)
+
+
+def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
+                      metrics: list[dict]) -> dict:
     return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
         "epoch": epoch,
         "step": step,
         "metrics": list(metrics),

@@ -1,0 +1,45 @@
+"""The `training` section of a pipeline: batches, optimizer, parameter groups, schedule."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from raydp_train.config_base import Section
+from raydp_train.config_errors import FieldProblem
+
+
+class ParamGroup(Section):
+    """Parameters (fnmatch patterns over the names `model.trainable` uses) trained with their
+    own learning rate and weight decay; a parameter belongs to the first group that matches."""
+
+    params: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    lr: float | None = Field(None, gt=0)  # null: training.lr
+    weight_decay: float | None = Field(None, ge=0)  # null: training.weight_decay
+
+
+class TrainingConfig(Section):
+    epochs: int = Field(30, gt=0)
+    batch_size: int = Field(64, gt=0)  # expected logical batch under Poisson sampling
+    max_physical_batch: int = Field(256, gt=0)  # memory cap; does not change the privacy math
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(0.1, gt=0)  # every trainable parameter no param_groups entry matches
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    param_groups: list[ParamGroup] = Field(default_factory=list)
+    # Hugging Face `get_scheduler` names; the multiplier of every group's lr, stepped once per
+    # logical (DP) step. `constant` with a warmup is HF's constant_with_warmup.
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int | None = Field(None, ge=0)  # OR a fraction of the run's steps (rounded up)
+    warmup_fraction: float | None = Field(None, ge=0, le=1)
+    # hf models: compute the frozen layers below the first trained one once per example
+    cache_frozen_prefix: bool = False
+    workers: int = Field(1, ge=1)  # Ray Train workers, each clipping its own shard
+    use_gpu: bool = False  # one GPU per worker; model, step and noise on it
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> TrainingConfig:
+        if self.warmup_steps is not None and self.warmup_fraction is not None:
+            raise FieldProblem("set warmup_steps or warmup_fraction, not both", "warmup_steps")
+        return self

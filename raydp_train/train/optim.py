@@ -1,0 +1,97 @@
+"""The optimizer of a run: parameter groups (`training.param_groups`) and the learning-rate
+schedule (`training.schedule`, Hugging Face's `get_scheduler`), stepped once per logical step.
+
+Groups select parameters by the names `model.trainable` uses (a Hugging Face model's own
+names, e.g. `classifier.weight`, without the wrapper's prefix). LSG's adapted weights are
+ordinary parameters here: the step writes their `.grad` from the carriers, and their group's
+learning rate and weight decay apply to that gradient.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+from torch import nn
+
+from raydp_train.models import ModelError
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+class TrainingSetupError(ModelError):
+    """`training` settings that do not fit the model or the run; the message names the field."""
+
+
+def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every trainable parameter, named as `model.trainable` names them."""
+    from raydp_train.hf import SequenceClassifier
+
+    inner = model.model if isinstance(model, SequenceClassifier) else model
+    return [(name, p) for name, p in inner.named_parameters() if p.requires_grad]
+
+
+def parameter_groups(model: nn.Module, training) -> list[dict]:
+    """torch param groups: one per `training.param_groups` entry, then the rest at training.lr.
+    A pattern matching no trainable parameter is an error naming the entry."""
+    named = named_trainable(model)
+    claimed: set[str] = set()
+    groups = []
+    for index, group in enumerate(training.param_groups):
+        field = f"training.param_groups[{index}].params"
+        members: dict[str, nn.Parameter] = {}
+        for pattern in group.params:
+            matched = {n: p for n, p in named if fnmatch.fnmatchcase(n, pattern)}
+            if not matched:
+                raise TrainingSetupError(
+                    f"{field}: pattern {pattern!r} matches no trainable parameter; trainable "
+                    f"names look like {named[-1][0]!r}" if named else f"{field}: nothing trains")
+            members.update({n: p for n, p in matched.items() if n not in claimed})
+        if not members:
+            raise TrainingSetupError(f"{field}: every parameter it matches is already in an "
+                                     "earlier group (the first matching group wins)")
+        claimed.update(members)
+        groups.append(_group(list(members.values()), group.lr, group.weight_decay, training))
+    rest = [p for n, p in named if n not in claimed]
+    if rest:
+        groups.append(_group(rest, None, None, training))
+    return groups
+
+
+def _group(params: list, lr: float | None, weight_decay: float | None, training) -> dict:
+    return {"params": params, "lr": training.lr if lr is None else lr,
+            "weight_decay": training.weight_decay if weight_decay is None else weight_decay}
+
+
+def make_optimizer(model: nn.Module, training) -> torch.optim.Optimizer:
+    options = {"momentum": training.momentum} if training.optimizer == "sgd" else {}
+    return OPTIMIZERS[training.optimizer](parameter_groups(model, training), **options)
+
+
+def warmup_steps(training, total_steps: int) -> int:
+    """warmup_steps as given, or ceil(warmup_fraction * steps) as Hugging Face's warmup_ratio."""
+    if training.warmup_fraction is not None:
+        return math.ceil(training.warmup_fraction * total_steps)
+    warmup = training.warmup_steps or 0
+    if warmup > total_steps:
+        raise TrainingSetupError(f"training.warmup_steps: must be <= the run's {total_steps} "
+                                 f"steps, got {warmup}")
+    return warmup
+
+
+def make_schedule(optimizer: torch.optim.Optimizer, training, total_steps: int):
+    """Hugging Face's scheduler of that name over `total_steps` logical steps (not re-derived
+    here: `get_scheduler` is the reference)."""
+    from transformers import get_scheduler
+
+    warmup = warmup_steps(training, total_steps)
+    name = "constant_with_warmup" if training.schedule == "constant" and warmup else \
+        training.schedule
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def schedule_scale(optimizer: torch.optim.Optimizer) -> float:
+    """The schedule's current multiplier of every group's learning rate."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / group["initial_lr"]
