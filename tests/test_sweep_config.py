@@ -60,12 +60,11 @@ def test_bad_sweep_settings_are_refused_naming_the_field(overrides, expected):
 def test_a_uniform_range_may_start_at_zero_where_its_field_allows_it():
     from raydp_train.tune import _check_search_space
 
-    sparsity = load_pipeline(SWEEP, ["privacy.mechanism=lsg", "tune.search_space="
-                                     "{privacy.lsg.sparsity: {uniform: [0.0, 0.5]}}"])
+    space = "tune.search_space={privacy.lsg.sparsity: {uniform: [0.0, 0.5]}}"
+    sparsity = load_pipeline(SWEEP, ["privacy.mechanism=lsg", space])
     _check_search_space(sparsity)  # sparsity 0 is valid: nothing raised
     assert sparsity.tune.search_space["privacy.lsg.sparsity"].uniform == (0.0, 0.5)
-    sigma = load_pipeline(SWEEP, ["tune.search_space={privacy.noise_multiplier: "
-                                  "{uniform: [0.0, 2.0]}}"])
+    sigma = load_pipeline(SWEEP, ["tune.search_space={privacy.noise_multiplier: {uniform: [0.0, 2.0]}}"])
     with pytest.raises(PipelineError, match="privacy.noise_multiplier: must be > 0, got 0"):
         _check_search_space(sigma)  # sigma 0 is not: the field's own check sees the low end
 
