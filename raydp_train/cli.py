@@ -34,10 +34,16 @@ EXIT_INTERRUPTED = 130
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return args.command(args)
+        status = args.command(args)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below, not at exit
+        return status
     except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`raydp-train report RUN | head`): stop quietly, as cat does.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _parser() -> argparse.ArgumentParser:

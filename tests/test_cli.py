@@ -56,3 +56,14 @@ def test_resume_refuses_a_run_directory_of_another_pipeline(tmp_path, capsys):
 def test_report_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no run record" in capsys.readouterr().err
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`raydp-train report RUN | head`: the reader is gone before we write; no BrokenPipeError
+    traceback. (`true` exits without reading, so every write hits a closed pipe.)"""
+    import subprocess
+    import sys
+
+    shell = f"{sys.executable} -m raydp_train validate {QUICKSTART} | true"
+    done = subprocess.run(shell, shell=True, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
