@@ -54,10 +54,10 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
     reader = _Reader(config, tokenizer)
     features, labels, test_features, test_labels = loaders[config.source](config, reader)
     validation = _validation_file(config, reader)
-    classes = num_classes or int(max(labels.max(), test_labels.max(), 1)) + 1
     splits = [("training", labels), ("test", test_labels)]
     if validation is not None:
         splits.append(("validation", validation[1]))
+    classes = _classes(config, num_classes, classes_field, splits)
     for name, values in splits:
         if values.min() < 0 or values.max() >= classes:
             raise DataError(
@@ -74,6 +74,29 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
     elif config.validation is not None:
         _hold_out_validation(dataset, config.validation.fraction, config.random_state)
     return dataset
+
+
+def _classes(config, num_classes: int | None, classes_field: str, splits: list) -> int:
+    """K: `data.label_names`' length, the model's field, or 1 + the largest label, refusing
+    inferred classes that no example has (labels {1, 2} would make a 3-class model)."""
+    names = getattr(config, "label_names", None)
+    if names is not None:
+        if num_classes is not None and num_classes != len(names):
+            raise DataError(f"{classes_field}: {num_classes} classes, but data.label_names "
+                            f"names {len(names)}")
+        return len(names)
+    if num_classes is not None:
+        return num_classes
+    seen = set(np.unique(np.concatenate([values for _, values in splits])).tolist())
+    classes = max(int(max(seen)) + 1, 2)
+    never = sorted(set(range(int(max(seen)) + 1)) - seen)
+    if min(seen) >= 0 and never:
+        raise DataError(
+            f"data: labels take the values {sorted(seen)[:10]}, so {classes} classes would be "
+            f"inferred and {never[:10]} never occur: labels must be 0..K-1; relabel them, give "
+            f"data.label_names, or set {classes_field} if those classes are meant"
+        )
+    return classes
 
 
 def _features(values: np.ndarray) -> Tensor:
@@ -100,7 +123,7 @@ class _Reader:
             raise DataError("data.text_column: text needs a tokenizer: use model.kind hf with "
                             "model.name_or_path")
         labels = _labels(pq.read_table(path, columns=[config.label_column])
-                         .column(config.label_column), path, config.label_column)
+                         .column(config.label_column), path, config)
         tokens = tokenize_parquet(path, config.text_column, self.tokenizer, config.max_length)
         return tokens, labels
 
@@ -196,7 +219,7 @@ def _read_parquet(path: Path, config, field: str) -> tuple[np.ndarray, np.ndarra
     table = pq.read_table(path, columns=[*columns, config.label_column])
     if table.num_rows == 0:
         raise DataError(f"{field}: {path} has no rows")
-    labels = _labels(table.column(config.label_column), path, config.label_column)
+    labels = _labels(table.column(config.label_column), path, config)
     if config.feature_columns:
         features = np.stack([_numeric(table.column(c), path, c) for c in columns], axis=1)
         features = _standardized(features, config)
@@ -242,11 +265,20 @@ def _numeric(column: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:
     return column.to_numpy().astype(np.float64)
 
 
-def _labels(column: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:
+def _labels(column: pa.ChunkedArray, path: Path, config) -> np.ndarray:
+    """Integer labels, or strings mapped to 0..K-1 by their place in `data.label_names`."""
+    name, names = config.label_column, config.label_names
+    if names is not None and pa.types.is_string(column.type):
+        index = {label: i for i, label in enumerate(names)}
+        unknown = sorted(set(column.to_pylist()) - set(index))
+        if unknown:
+            raise DataError(f"data.label_names: labels {unknown[:5]} in column '{name}' of "
+                            f"{path} are not among {names}")
+        return np.array([index[label] for label in column.to_pylist()], dtype=np.int64)
     if not pa.types.is_integer(column.type):
-        raise DataError(
-            f"data.label_column: column '{name}' in {path} is {column.type}, expected integers"
-        )
+        strings = " (or give data.label_names)" if pa.types.is_string(column.type) else ""
+        raise DataError(f"data.label_column: column '{name}' in {path} is {column.type}, "
+                        f"expected integers{strings}")
     return _numeric(column, path, name).astype(np.int64)
 
 

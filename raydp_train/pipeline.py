@@ -113,6 +113,9 @@ class ParquetData(Section):
     text_column: str | None = None  # strings, tokenized by the model's tokenizer (model.kind hf)
     max_length: int = Field(128, ge=2)  # tokens per text, padded or truncated
     label_column: str = "label"
+    # Names of classes 0..K-1: a string label column is mapped by them, and they become the
+    # saved model's id2label.
+    label_names: list[str] | None = Field(None, min_length=2)
     train_fraction: TrainFraction = 0.8  # used only when test_path is None
     random_state: int = 42
 

@@ -111,7 +111,8 @@ def write_run_record(
     path.write_text(json.dumps(record, indent=2))
     torch.save(result.model.state_dict(), run_dir / "model.pt")
     if pipeline.model.kind == "hf":
-        save_hf_model(result.model, pipeline.model, run_dir / "model")
+        save_hf_model(result.model, pipeline.model, run_dir / "model",
+                      getattr(pipeline.data, "label_names", None))
     return path
 
 
@@ -121,8 +122,12 @@ def locations_statement(run_dir: Path, pipeline: Pipeline) -> dict:
     return {"run_dir": str(Path(run_dir).resolve()), "budget_ledger": ledger}
 
 
-def save_hf_model(model, config, folder: Path) -> None:
-    """`save_pretrained` (+ the tokenizer): loadable by transformers alone, no raydp_train."""
+def save_hf_model(model, config, folder: Path, label_names: list[str] | None = None) -> None:
+    """`save_pretrained` (+ the tokenizer): loadable by transformers alone, no raydp_train.
+    `label_names` (data.label_names) become the saved config's id2label / label2id."""
+    if label_names is not None:
+        model.model.config.id2label = dict(enumerate(label_names))
+        model.model.config.label2id = {name: i for i, name in enumerate(label_names)}
     model.model.save_pretrained(folder)
     if config.name_or_path is not None:
         from raydp_train.hf import load_tokenizer

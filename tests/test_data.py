@@ -90,6 +90,29 @@ def test_bad_normalize_is_refused_naming_the_field(normalize, message):
         config(source)
 
 
+def test_labels_that_skip_a_class_are_refused(tmp_path):
+    train = write(tmp_path / "t.parquet", a=[0.0, 1.0, 2.0], label=[1, 2, 1])
+    source = {"source": "parquet", "path": train, "feature_columns": ["a"]}
+    with pytest.raises(DataError, match=r"labels take the values \[1, 2\], so 3 classes .*"
+                                        r"\[0\] never occur.*data.label_names"):
+        load_data(config(source).data)
+    assert load_data(config(source).data, num_classes=3).num_classes == 3  # meant: allowed
+
+
+def test_label_names_map_string_labels_and_fix_the_class_count(tmp_path):
+    train = write(tmp_path / "t.parquet", a=[0.0, 1.0, 2.0], label=["pos", "neg", "pos"])
+    source = {"source": "parquet", "path": train, "feature_columns": ["a"], "test_path": train,
+              "label_names": ["neg", "pos", "neutral"]}
+    data = load_data(config(source).data)
+    assert data.num_classes == 3 and sorted(data.train_labels.tolist()) == [0, 1, 1]
+    with pytest.raises(DataError, match=r"model.num_classes: 2 classes, but data.label_names "
+                                        r"names 3"):
+        load_data(config(source).data, num_classes=2)
+    unknown = {**source, "label_names": ["neg", "other"]}
+    with pytest.raises(DataError, match=r"data.label_names: labels \['pos'\]"):
+        load_data(config(unknown).data)
+
+
 def test_parquet_tensor_column_keeps_the_tensor_shape(tmp_path):
     images = [np.full((1, 2, 2), i).tolist() for i in range(10)]
     path = write(tmp_path / "x.parquet", pixels=images, label=[i % 2 for i in range(10)])

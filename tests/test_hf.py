@@ -48,6 +48,19 @@ def test_trainable_patterns_must_match_something():
         build_hf_model(config, num_labels=2)
 
 
+def test_label_names_become_the_saved_models_labels(tmp_path):
+    import transformers
+
+    from raydp_train.report import save_hf_model
+
+    model = build_hf_model(HFModel(kind="hf", config=TINY_BERT, num_labels=2), num_labels=2)
+    save_hf_model(model, HFModel(kind="hf", config=TINY_BERT, num_labels=2), tmp_path,
+                  ["negative", "positive"])
+    saved = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert saved.id2label == {0: "negative", 1: "positive"}
+    assert saved.label2id == {"negative": 0, "positive": 1}
+
+
 def test_hf_model_needs_a_source():
     with pytest.raises(PipelineError, match="model.name_or_path: set name_or_path"):
         pipeline_from_dict({"name": "x", "data": {"source": "synthetic"},
