@@ -65,5 +65,6 @@ def test_output_into_a_closed_pipe_ends_quietly():
     import sys
 
     shell = f"{sys.executable} -m raydp_train validate {QUICKSTART} | true"
-    done = subprocess.run(shell, shell=True, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(shell, shell=True, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
