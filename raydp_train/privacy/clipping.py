@@ -95,10 +95,13 @@ class PerExampleClipper:
         """
         self.bind_grads()
         audit = not self._audited_patterns
+        random_state = _random_state()
         losses = self._forward_backward(compute_losses, args, audit)
-        if losses.shape[0] and self._call_pattern() not in self._audited_patterns:
-            # The layers were called in a way no audited pass saw: run this one audited.
+        if not audit and losses.shape[0] and self._call_pattern() not in self._audited_patterns:
+            # The layers were called in a way no audited pass saw: run this one again, audited,
+            # with the same random draws (dropout), so the result is that of a single pass.
             audit = True
+            _restore_random_state(random_state)
             losses = self._forward_backward(compute_losses, args, audit)
         try:
             if losses.shape[0] == 0:  # an empty micro-batch adds nothing
@@ -262,6 +265,18 @@ class PerExampleClipper:
             )
         if not losses.requires_grad:
             raise ValueError("the loss does not depend on any trainable parameter")
+
+
+def _random_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _restore_random_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _layer_input(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
