@@ -17,11 +17,12 @@ from raydp_train.privacy.budget import BudgetError
 from raydp_train.privacy.clipping import UnsupportedLayerError
 from raydp_train.privacy.ledger import LedgerError
 from raydp_train.privacy.lsg import LsgConfigError
+from raydp_train.resources import ResourceError
 
 # Problems with the user's input: printed as one clear message, never as a traceback.
 USER_ERRORS = (
     PipelineError, DataError, PlanError, ModelError, UnsupportedLayerError, LsgConfigError,
-    BudgetError, LedgerError, HFModelError,
+    BudgetError, LedgerError, HFModelError, ResourceError,
 )
 # `run` and `tune` exit with this when the global budget refused to let them finish.
 EXIT_BUDGET_EXHAUSTED = 3
@@ -116,10 +117,15 @@ def _prepare(args):
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
     check_locations(pipeline, args.pipeline)
-    if getattr(pipeline.data, "text_column", None) is not None or args.command is not validate:
+    num_cpus = max(4, pipeline.training.workers + 2)
+    if args.command is not validate:
+        from raydp_train.resources import connect
+
+        connect(args.address, pipeline.training, num_cpus)
+    elif getattr(pipeline.data, "text_column", None) is not None:
         from raydp_train.train.trainer import ensure_ray
 
-        ensure_ray(getattr(args, "address", None), num_cpus=max(4, pipeline.training.workers + 2))
+        ensure_ray(None, num_cpus)  # validate checks the pipeline, not this machine's GPUs
     dataset, plan = check_pipeline(pipeline)
     return pipeline, dataset, plan
 
@@ -212,7 +218,7 @@ def _open_budget(pipeline):
 
 def tune_command(args) -> int:
     from raydp_train.locations import check_locations
-    from raydp_train.train.trainer import ensure_ray
+    from raydp_train.resources import connect
     from raydp_train.tune import run_sweep
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
@@ -220,7 +226,7 @@ def tune_command(args) -> int:
         raise PipelineError(args.pipeline, [("tune: required by `raydp-train tune` (search_space, "
                                             "num_samples, ...); see README")])
     check_locations(pipeline, args.pipeline)
-    sweep = run_sweep(pipeline, connect=lambda: ensure_ray(args.address, num_cpus=4))
+    sweep = run_sweep(pipeline, connect=lambda: connect(args.address, pipeline.training, 4))
     return 0 if sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 
 
@@ -275,6 +281,7 @@ def budget_reset(args) -> int:
 
     from raydp_train.budget_actor import open_existing_budget
     from raydp_train.budget_report import budget_status, status_text
+    from raydp_train.resources import check_address
     from raydp_train.train.trainer import ensure_ray
 
     status = budget_status(args.name, args.ledger)  # a missing budget is an error, even forced
@@ -285,6 +292,7 @@ def budget_reset(args) -> int:
             "reset --help`")
     print(RESET_WARNING.format(name=args.name, epsilon=status["epsilon_counted"],
                                total=status["epsilon"]), file=sys.stderr, flush=True)
+    check_address(args.address)
     ensure_ray(args.address, num_cpus=1)
     note = f"reset by {getpass.getuser()}" + (f": {args.reason}" if args.reason else "")
     print(status_text(open_existing_budget(args.name, args.ledger).reset(note)))
