@@ -11,7 +11,7 @@ from pathlib import Path
 from raydp_train.data import DataError
 from raydp_train.hf import HFModelError
 from raydp_train.models import ModelError
-from raydp_train.pipeline import PipelineError, dump_pipeline, load_pipeline
+from raydp_train.pipeline import PipelineError, load_pipeline
 from raydp_train.plan import PlanError
 from raydp_train.privacy.budget import BudgetError
 from raydp_train.privacy.clipping import UnsupportedLayerError
@@ -131,27 +131,10 @@ def _prepare(args):
 
 
 def validate(args) -> int:
+    from raydp_train.validate import print_validation
+
     pipeline, dataset, plan = _prepare(args)
-    print(dump_pipeline(pipeline), end="")
-    print("---")
-    print(f"training examples N     {plan.num_examples} (test {len(dataset.test_labels)})")
-    print(f"sampling rate q         {plan.sampling_rate:.6g} (expected batch {plan.expected_batch_size})")
-    print(f"steps                   {plan.steps}")
-    if pipeline.privacy.mechanism == "none":
-        print("NOT PRIVATE             privacy.mechanism none: no clipping, no noise, epsilon inf")
-        return 0
-    how = "calibrated to target_epsilon" if plan.noise_calibrated else "given"
-    print(f"noise multiplier sigma  {plan.noise_multiplier:.6g} ({how})")
-    print(f"clip norm C             {plan.clip_norm:g}")
-    releases = plan.epochs * plan.releases_per_epoch
-    extra = f", incl. {releases} noisy validation releases" if releases else ""
-    print(f"will spend              epsilon {plan.epsilon():.4f} at delta {plan.delta:g} "
-          f"({plan.accountant.upper()}{extra})")
-    if pipeline.budget is not None:
-        budget = pipeline.budget
-        print(f"spends from budget      {budget.name} (epsilon {budget.epsilon:g}, delta "
-              f"{budget.delta:g}, {budget.accountant.upper()}; ledger {budget.ledger})")
-    return 0
+    return 0 if print_validation(pipeline, dataset, plan) else EXIT_BUDGET_EXHAUSTED
 
 
 def run(args) -> int:
@@ -227,7 +210,7 @@ def tune_command(args) -> int:
                                             "num_samples, ...); see README")])
     check_locations(pipeline, args.pipeline)
     sweep = run_sweep(pipeline, connect=lambda: connect(args.address, pipeline.training, 4))
-    return 0 if sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
+    return 0 if sweep is not None and sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 
 
 def audit_command(args) -> int:

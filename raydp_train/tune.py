@@ -51,8 +51,9 @@ class SweepResult:
         return sum(t["stop_reason"] == "completed" for t in self.trials)
 
 
-def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult:
-    """Check, reserve (random stopping), run every trial, and write the sweep's outputs."""
+def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | None:
+    """Check, reserve (random stopping), run every trial, and write the sweep's outputs; None
+    when the budget cannot pay for one trial."""
     from ray import tune
 
     from raydp_train.budget_actor import open_budget
@@ -62,6 +63,10 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult:
     connect()  # first: text data is tokenized by Ray Data
     _, plan = check_pipeline(pipeline)
     _check_search_space(pipeline)
+    refusal = first_refusal(pipeline, plan)
+    if refusal:  # a spent budget: no trial, no sweep directory, no best.yaml
+        on_line(f"STOPPED before any trial: {refusal}")
+        return None
     directory = new_run_dir(pipeline, "sweep")
     on_line(f"{pipeline.name}: sweep over {', '.join(config.search_space)}; "
             f"directory {directory}")
@@ -168,16 +173,46 @@ def _check_search_space(pipeline: Pipeline) -> None:
             check_pipeline(candidate)
 
 
-def random_stopping_spend(pipeline: Pipeline, plan) -> Spend:
-    """The whole random-stopping sweep as one reservation: RepeatAndSelect of the costliest
-    trial the search space allows, i.e. the one with the smallest sigma (per RDP order, less
-    noise never costs less privacy; q, steps and releases are the same for every trial)."""
+def worst_trial_spend(pipeline: Pipeline, plan) -> Spend:
+    """The costliest trial the search space allows: the one with the smallest sigma (per RDP
+    order, less noise never costs less privacy; q, steps and releases are the same for every
+    trial, as only sigma among the searchable fields changes what a trial spends)."""
     searched = pipeline.tune.search_space.get("privacy.noise_multiplier")
     worst_sigma = min(searched.values()) if searched is not None else plan.noise_multiplier
-    stopping = pipeline.tune.random_stopping
     trial = plan.spend(plan.steps, plan.epochs * plan.releases_per_epoch)
-    return replace(trial, noise_multiplier=worst_sigma, mechanism="random_stopping",
+    return replace(trial, noise_multiplier=worst_sigma)
+
+
+def random_stopping_spend(pipeline: Pipeline, plan) -> Spend:
+    """The whole random-stopping sweep as one reservation: RepeatAndSelect of the costliest
+    trial."""
+    stopping = pipeline.tune.random_stopping
+    return replace(worst_trial_spend(pipeline, plan), mechanism="random_stopping",
                    mean_trials=stopping.mean_trials, shape=stopping.shape_value)
+
+
+def first_refusal(pipeline: Pipeline, plan) -> str:
+    """Why the budget, as its ledger has it now, cannot pay the sweep's first (costliest)
+    trial, or the random-stopping sweep's one reservation; "" when it can. Trials still
+    reserve for themselves: this only spares a spent budget a sweep that cannot train."""
+    from raydp_train.budget_report import book_of
+
+    first = (random_stopping_spend(pipeline, plan) if pipeline.tune.selection == "random_stopping"
+             else trials_spend(pipeline, plan, 1))
+    decision, _, _ = book_of(pipeline.budget).propose("preflight", "first trial", first)
+    return "" if decision.granted else decision.reason
+
+
+def trial_count(config) -> int:
+    """Trials a composition sweep runs: num_samples per point of the grid."""
+    grids = [len(d.grid) for d in config.search_space.values() if d.grid is not None]
+    return config.num_samples * math.prod(grids)
+
+
+def trials_spend(pipeline: Pipeline, plan, trials: int) -> Spend:
+    """`trials` costliest trials, composed: the same (q, sigma) steps and releases add up."""
+    worst = worst_trial_spend(pipeline, plan)
+    return replace(worst, steps=worst.steps * trials, releases=worst.releases * trials)
 
 
 def _param_space(config) -> dict:
@@ -230,7 +265,10 @@ def _trial_row(result, config) -> dict:
 
 
 def _best(trials: list[dict], config) -> dict | None:
-    scored = [t for t in trials if not math.isnan(t[config.metric])]
+    """Among the trials that trained as planned (or until ASHA compared them): one the budget
+    cut short is no candidate for the model a sweep ends with."""
+    scored = [t for t in trials if t["stop_reason"] in ("completed", "stopped by scheduler")
+              and not math.isnan(t[config.metric])]
     if not scored:
         return None
     pick = max if config.mode == "max" else min

@@ -94,6 +94,12 @@ def test_sweep_spends_one_budget_until_it_is_exhausted(ray_session, tmp_path, ca
     assert "STOPPED: budget exhausted" in capsys.readouterr().out
     assert load_pipeline(sweep_dir / "best.yaml").budget.name == "test-sweep"
 
+    # A second sweep on the spent budget trains nothing and writes nothing.
+    assert main(args) == EXIT_BUDGET_EXHAUSTED
+    output = capsys.readouterr().out
+    assert "STOPPED before any trial: budget exhausted" in output and "best (" not in output
+    assert len(list((tmp_path / "runs").glob("sweep-digits-sweep-*"))) == 1
+
 
 def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_session, tmp_path):
     overrides = [f"run.output_dir={tmp_path}/runs", f"budget.ledger={tmp_path}/budgets",
