@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -163,6 +164,11 @@ def run(args) -> int:
         print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; every epoch charged was "
               f"run and saved.\ncontinue with: {_resume_command(args, run_dir)}", flush=True)
         return EXIT_INTERRUPTED
+    if result.steps_charged == 0 and resumed is None:
+        # Nothing trained and nothing charged: an untrained model.pt would only mislead.
+        shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"\nSTOPPED: {result.stop_reason}\nnothing was trained: no run directory kept")
+        return EXIT_BUDGET_EXHAUSTED
     privacy = privacy_statement(plan, result, workers)
     record = write_run_record(run_dir, pipeline, result, privacy)
     _print_summary(result, privacy, record)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from raydp_train.report import new_run_dir
 from raydp_train.sweep_report import write_sweep_outputs
 
 RUNNING = "running"
+MODELS = "trial_models"  # each trained trial's model, until the sweep keeps the best
 
 
 def print_now(line: str) -> None:
@@ -138,10 +140,33 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
         result = fit(pipeline, plan, Path(directory) / "train" / trial_id, on_epoch=lambda r: None,
                      budget=budget, owner=owner, callbacks=[TuneReportCallback()],
                      dataset=dataset)
+    if result.steps_done:
+        _save_trial_model(Path(directory), trial_id, pipeline, plan, result)
     last = result.metrics[-1] if result.metrics else {"epoch": 0, "validation_accuracy": math.nan}
     tune.report({**last, "stop_reason": result.stop_reason, "final": True,
                  "epsilon": plan.epsilon(result.steps_charged, releases=result.releases_charged),
                  "steps_charged": result.steps_charged})
+
+
+def _save_trial_model(directory: Path, trial_id: str, pipeline: Pipeline, plan, result) -> None:
+    """Every trial that trained writes its model and run record; the sweep keeps the best
+    one's (`_keep_best_model`), so the sweep ends with a model without spending on a retrain."""
+    from raydp_train.report import privacy_statement, write_run_record
+
+    folder = directory / MODELS / trial_id
+    folder.mkdir(parents=True)
+    (folder / "pipeline.yaml").write_text(dump_pipeline(pipeline))
+    write_run_record(folder, pipeline, result,
+                     privacy_statement(plan, result, pipeline.training.workers))
+
+
+def _keep_best_model(directory: Path, best: dict) -> Path | None:
+    """Move the best trial's model to `best_model/` and drop the others' (never released)."""
+    saved, kept = directory / MODELS / best["trial"], None
+    if best["trial"] and saved.is_dir():
+        kept = saved.rename(directory / "best_model")
+    shutil.rmtree(directory / MODELS, ignore_errors=True)
+    return kept
 
 
 def _progress_printer(on_line, pipeline: Pipeline):
@@ -281,11 +306,22 @@ def _finish(directory, pipeline, trials, best, budget, sweep_id, privacy, on_lin
         epsilon=budget.epsilon_of(sweep_id), delta=status["delta"],
         accountant=status["accountant"], budget_epsilon=status["epsilon"],
         budget_epsilon_counted=status["epsilon_counted"], trials=len(trials))
-    best_pipeline = None
     if best is not None:
         overrides = [f"{k}={best[k]}" for k in pipeline.tune.search_space]
         best_pipeline = pipeline_from_dict(pipeline.model_dump(mode="json"), overrides)
-        (directory / "best.yaml").write_text(dump_pipeline(best_pipeline))
+        best = {**best, "model": str(_keep_best_model(directory, best))}
+        (directory / "best.yaml").write_text(
+            _best_yaml_header(directory, best, pipeline) + dump_pipeline(best_pipeline))
+    shutil.rmtree(directory / MODELS, ignore_errors=True)
     sweep = SweepResult(directory, trials, best, privacy)
     write_sweep_outputs(sweep, pipeline, on_line)
     return sweep
+
+
+def _best_yaml_header(directory: Path, best: dict, pipeline: Pipeline) -> str:
+    """best.yaml must not send anyone to train, and spend, again for a model they have."""
+    return (f"# The best trial ({pipeline.tune.metric} {best[pipeline.tune.metric]:.4f}) of the "
+            f"sweep in {directory}.\n# Its model is already saved: {best['model']} "
+            "(model.pt, record.json).\n# `raydp-train run` of this file trains a NEW model and "
+            f"SPENDS AGAIN from budget '{pipeline.budget.name}'\n# (`raydp-train validate` "
+            "says whether the budget can still pay).\n")

@@ -56,3 +56,18 @@ def test_resume_refuses_a_run_directory_of_another_pipeline(tmp_path, capsys):
 def test_report_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no run record" in capsys.readouterr().err
+
+
+def test_a_model_that_never_took_a_step_is_not_for_release():
+    from torch import nn
+
+    from raydp_train.pipeline import load_pipeline
+    from raydp_train.plan import make_plan
+    from raydp_train.report import privacy_statement
+    from raydp_train.train.worker import TrainResult
+
+    plan = make_plan(load_pipeline(QUICKSTART), 1000)
+    for steps, for_release in ((0, False), (plan.steps, True)):
+        result = TrainResult(model=nn.Linear(1, 1), noise_mode="secure", steps_done=steps,
+                             steps_charged=steps)
+        assert privacy_statement(plan, result, workers=1)["for_release"] is for_release
