@@ -16,7 +16,7 @@ from raydp_train.privacy.budget import (
     check_same_terms,
     replay,
 )
-from raydp_train.privacy.ledger import BudgetLedger, as_uri
+from raydp_train.privacy.ledger import BudgetLedger, LedgerError, as_uri
 
 HISTORY_COLUMNS = ("seq", "time", "kind", "owner", "mechanism", "sampling_rate",
                    "noise_multiplier", "steps", "releases", "running_epsilon")
@@ -39,7 +39,12 @@ def book_of(config) -> BudgetBook:
     a fresh book if it has no ledger yet; other terms than it was created with are refused,
     as its accountant would."""
     terms = BudgetTerms(config.name, config.epsilon, config.delta, config.accountant)
-    rows = BudgetLedger(as_uri(config.ledger), config.name, create=False).rows()
+    ledger = BudgetLedger(as_uri(config.ledger), config.name, create=False)
+    try:
+        rows = ledger.rows()
+    except OSError as error:  # e.g. a file where the ledger's directory should be
+        raise LedgerError(f"budget.ledger: cannot read {ledger.uri}: "
+                          f"{error.strerror or error}") from None
     book = replay(rows, terms)
     check_same_terms(terms, book.terms)
     return book

@@ -103,3 +103,12 @@ def test_other_terms_than_the_ledger_s_are_refused(tmp_path, capsys):
     spend_earlier(tmp_path, 30.0, Spend(Q, 1.0, 50))
     assert main(["validate", SWEEP, *sets(tmp_path, "tune=null", epsilon=20)]) == 2
     assert "budget.epsilon: budget 'b' was created with epsilon=30" in capsys.readouterr().err
+
+
+def test_an_unreadable_ledger_is_one_line(tmp_path, capsys):
+    (tmp_path / "budgets").mkdir()
+    (tmp_path / "budgets" / "b").write_text("a file where the budget's folder should be")
+    assert main(["validate", SWEEP, *sets(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: budget.ledger: cannot read file://{tmp_path}/budgets/b"), err
+    assert err.count("\n") == 1
