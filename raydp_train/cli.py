@@ -215,7 +215,8 @@ def tune_command(args) -> int:
         raise PipelineError(args.pipeline, [("tune: required by `raydp-train tune` (search_space, "
                                             "num_samples, ...); see README")])
     check_locations(pipeline, args.pipeline)
-    sweep = run_sweep(pipeline, connect=lambda: connect(args.address, pipeline.training, 4))
+    cpus = max(4, pipeline.training.workers + 2)  # as `run`: workers, queue, controller
+    sweep = run_sweep(pipeline, connect=lambda: connect(args.address, pipeline.training, cpus))
     return 0 if sweep is not None and sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 
 
