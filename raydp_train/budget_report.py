@@ -9,8 +9,14 @@ from __future__ import annotations
 import json
 import time
 
-from raydp_train.privacy.budget import BudgetError, replay
-from raydp_train.privacy.ledger import BudgetLedger, as_uri
+from raydp_train.privacy.budget import (
+    BudgetBook,
+    BudgetError,
+    BudgetTerms,
+    check_same_terms,
+    replay,
+)
+from raydp_train.privacy.ledger import BudgetLedger, LedgerError, as_uri
 
 HISTORY_COLUMNS = ("seq", "time", "kind", "owner", "mechanism", "sampling_rate",
                    "noise_multiplier", "steps", "releases", "running_epsilon")
@@ -26,6 +32,22 @@ def ledger_rows(name: str, ledger: str) -> list[dict]:
 def budget_status(name: str, ledger: str) -> dict:
     rows = ledger_rows(name, ledger)
     return replay(rows).status()
+
+
+def book_of(config) -> BudgetBook:
+    """A pipeline's budget (its `budget` section) as its ledger has it now, read without Ray:
+    a fresh book if it has no ledger yet; other terms than it was created with are refused,
+    as its accountant would."""
+    terms = BudgetTerms(config.name, config.epsilon, config.delta, config.accountant)
+    ledger = BudgetLedger(as_uri(config.ledger), config.name, create=False)
+    try:
+        rows = ledger.rows()
+    except OSError as error:  # e.g. a file where the ledger's directory should be
+        raise LedgerError(f"budget.ledger: cannot read {ledger.uri}: "
+                          f"{error.strerror or error}") from None
+    book = replay(rows, terms)
+    check_same_terms(terms, book.terms)
+    return book
 
 
 def status_text(status: dict) -> str:

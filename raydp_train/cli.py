@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from raydp_train.data import DataError
 from raydp_train.hf import HFModelError
 from raydp_train.models import ModelError
-from raydp_train.pipeline import PipelineError, dump_pipeline, load_pipeline
+from raydp_train.pipeline import PipelineError, load_pipeline
 from raydp_train.plan import PlanError
 from raydp_train.privacy.budget import BudgetError
 from raydp_train.privacy.clipping import UnsupportedLayerError
 from raydp_train.privacy.ledger import LedgerError
 from raydp_train.privacy.lsg import LsgConfigError
+from raydp_train.resources import ResourceError
 
 # Problems with the user's input: printed as one clear message, never as a traceback.
 USER_ERRORS = (
     PipelineError, DataError, PlanError, ModelError, UnsupportedLayerError, LsgConfigError,
-    BudgetError, LedgerError, HFModelError,
+    BudgetError, LedgerError, HFModelError, ResourceError,
 )
 # `run` and `tune` exit with this when the global budget refused to let them finish.
 EXIT_BUDGET_EXHAUSTED = 3
@@ -122,36 +124,24 @@ def _prepare(args):
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
     check_locations(pipeline, args.pipeline)
-    if getattr(pipeline.data, "text_column", None) is not None or args.command is not validate:
+    num_cpus = max(4, pipeline.training.workers + 2)
+    if args.command is not validate:
+        from raydp_train.resources import connect
+
+        connect(args.address, pipeline.training, num_cpus)
+    elif getattr(pipeline.data, "text_column", None) is not None:
         from raydp_train.train.trainer import ensure_ray
 
-        ensure_ray(getattr(args, "address", None), num_cpus=max(4, pipeline.training.workers + 2))
+        ensure_ray(None, num_cpus)  # validate checks the pipeline, not this machine's GPUs
     dataset, plan = check_pipeline(pipeline)
     return pipeline, dataset, plan
 
 
 def validate(args) -> int:
+    from raydp_train.validate import print_validation
+
     pipeline, dataset, plan = _prepare(args)
-    print(dump_pipeline(pipeline), end="")
-    print("---")
-    print(f"training examples N     {plan.num_examples} (test {len(dataset.test_labels)})")
-    print(f"sampling rate q         {plan.sampling_rate:.6g} (expected batch {plan.expected_batch_size})")
-    print(f"steps                   {plan.steps}")
-    if pipeline.privacy.mechanism == "none":
-        print("NOT PRIVATE             privacy.mechanism none: no clipping, no noise, epsilon inf")
-        return 0
-    how = "calibrated to target_epsilon" if plan.noise_calibrated else "given"
-    print(f"noise multiplier sigma  {plan.noise_multiplier:.6g} ({how})")
-    print(f"clip norm C             {plan.clip_norm:g}")
-    releases = plan.epochs * plan.releases_per_epoch
-    extra = f", incl. {releases} noisy validation releases" if releases else ""
-    print(f"will spend              epsilon {plan.epsilon():.4f} at delta {plan.delta:g} "
-          f"({plan.accountant.upper()}{extra})")
-    if pipeline.budget is not None:
-        budget = pipeline.budget
-        print(f"spends from budget      {budget.name} (epsilon {budget.epsilon:g}, delta "
-              f"{budget.delta:g}, {budget.accountant.upper()}; ledger {budget.ledger})")
-    return 0
+    return 0 if print_validation(pipeline, dataset, plan) else EXIT_BUDGET_EXHAUSTED
 
 
 def run(args) -> int:
@@ -180,6 +170,11 @@ def run(args) -> int:
         print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; every epoch charged was "
               f"run and saved.\ncontinue with: {_resume_command(args, run_dir)}", flush=True)
         return EXIT_INTERRUPTED
+    if result.steps_charged == 0 and resumed is None:
+        # Nothing trained and nothing charged: an untrained model.pt would only mislead.
+        shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"\nSTOPPED: {result.stop_reason}\nnothing was trained: no run directory kept")
+        return EXIT_BUDGET_EXHAUSTED
     privacy = privacy_statement(plan, result, workers)
     record = write_run_record(run_dir, pipeline, result, privacy)
     _print_summary(result, privacy, record)
@@ -218,7 +213,7 @@ def _open_budget(pipeline):
 
 def tune_command(args) -> int:
     from raydp_train.locations import check_locations
-    from raydp_train.train.trainer import ensure_ray
+    from raydp_train.resources import connect
     from raydp_train.tune import run_sweep
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
@@ -226,8 +221,9 @@ def tune_command(args) -> int:
         raise PipelineError(args.pipeline, [("tune: required by `raydp-train tune` (search_space, "
                                             "num_samples, ...); see README")])
     check_locations(pipeline, args.pipeline)
-    sweep = run_sweep(pipeline, connect=lambda: ensure_ray(args.address, num_cpus=4))
-    return 0 if sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
+    cpus = max(4, pipeline.training.workers + 2)  # as `run`: workers, queue, controller
+    sweep = run_sweep(pipeline, connect=lambda: connect(args.address, pipeline.training, cpus))
+    return 0 if sweep is not None and sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 
 
 def audit_command(args) -> int:
@@ -281,6 +277,7 @@ def budget_reset(args) -> int:
 
     from raydp_train.budget_actor import open_existing_budget
     from raydp_train.budget_report import budget_status, status_text
+    from raydp_train.resources import check_address
     from raydp_train.train.trainer import ensure_ray
 
     status = budget_status(args.name, args.ledger)  # a missing budget is an error, even forced
@@ -291,6 +288,7 @@ def budget_reset(args) -> int:
             "reset --help`")
     print(RESET_WARNING.format(name=args.name, epsilon=status["epsilon_counted"],
                                total=status["epsilon"]), file=sys.stderr, flush=True)
+    check_address(args.address)
     ensure_ray(args.address, num_cpus=1)
     note = f"reset by {getpass.getuser()}" + (f": {args.reason}" if args.reason else "")
     print(status_text(open_existing_budget(args.name, args.ledger).reset(note)))

@@ -64,7 +64,9 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         "noise": "one Gaussian draw per step on rank 0, summed by all-reduce",
         "noise_mode": result.noise_mode,
         "private": plan.noise_multiplier > 0,  # false: the non-private reference
-        "for_release": result.noise_mode == "secure" and plan.noise_multiplier > 0,
+        # A model that never took a step is the untrained initialization: nothing to release.
+        "for_release": (result.noise_mode == "secure" and plan.noise_multiplier > 0
+                        and result.steps_done > 0),
         "stop_reason": result.stop_reason,
     }
 

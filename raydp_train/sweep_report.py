@@ -24,7 +24,8 @@ def write_sweep_outputs(sweep, pipeline, on_line) -> None:
     if sweep.best is not None:
         chosen = ", ".join(f"{k}={sweep.best[k]:.6g}" for k in config.search_space)
         on_line(f"\nbest ({config.metric} {sweep.best[config.metric]:.4f}): {chosen}"
-                f"\nbest pipeline: {directory / 'best.yaml'}")
+                f"\nbest model: {sweep.best['model']} (already trained: no need to run it "
+                f"again)\nbest pipeline: {directory / 'best.yaml'} (running it spends again)")
     on_line(privacy_text(sweep.privacy))
     on_line(f"wrote {directory / 'results.parquet'}, {plot}, {directory / 'sweep.json'}")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from raydp_train.report import new_run_dir
 from raydp_train.sweep_report import write_sweep_outputs
 
 RUNNING = "running"
+MODELS = "trial_models"  # each trained trial's model, until the sweep keeps the best
 
 
 def print_now(line: str) -> None:
@@ -51,8 +53,9 @@ class SweepResult:
         return sum(t["stop_reason"] == "completed" for t in self.trials)
 
 
-def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult:
-    """Check, reserve (random stopping), run every trial, and write the sweep's outputs."""
+def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | None:
+    """Check, reserve (random stopping), run every trial, and write the sweep's outputs; None
+    when the budget cannot pay for one trial."""
     from ray import tune
 
     from raydp_train.budget_actor import open_budget
@@ -62,6 +65,10 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult:
     connect()  # first: text data is tokenized by Ray Data
     _, plan = check_pipeline(pipeline)
     _check_search_space(pipeline)
+    refusal = first_refusal(pipeline, plan)
+    if refusal:  # a spent budget: no trial, no sweep directory, no best.yaml
+        on_line(f"STOPPED before any trial: {refusal}")
+        return None
     directory = new_run_dir(pipeline, "sweep")
     on_line(f"{pipeline.name}: sweep over {', '.join(config.search_space)}; "
             f"directory {directory}")
@@ -133,10 +140,33 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
         result = fit(pipeline, plan, Path(directory) / "train" / trial_id, on_epoch=lambda r: None,
                      budget=budget, owner=owner, callbacks=[TuneReportCallback()],
                      dataset=dataset)
+    if result.steps_done:
+        _save_trial_model(Path(directory), trial_id, pipeline, plan, result)
     last = result.metrics[-1] if result.metrics else {"epoch": 0, "validation_accuracy": math.nan}
     tune.report({**last, "stop_reason": result.stop_reason, "final": True,
                  "epsilon": plan.epsilon(result.steps_charged, releases=result.releases_charged),
                  "steps_charged": result.steps_charged})
+
+
+def _save_trial_model(directory: Path, trial_id: str, pipeline: Pipeline, plan, result) -> None:
+    """Every trial that trained writes its model and run record; the sweep keeps the best
+    one's (`_keep_best_model`), so the sweep ends with a model without spending on a retrain."""
+    from raydp_train.report import privacy_statement, write_run_record
+
+    folder = directory / MODELS / trial_id
+    folder.mkdir(parents=True)
+    (folder / "pipeline.yaml").write_text(dump_pipeline(pipeline))
+    write_run_record(folder, pipeline, result,
+                     privacy_statement(plan, result, pipeline.training.workers))
+
+
+def _keep_best_model(directory: Path, best: dict) -> Path | None:
+    """Move the best trial's model to `best_model/` and drop the others' (never released)."""
+    saved, kept = directory / MODELS / best["trial"], None
+    if best["trial"] and saved.is_dir():
+        kept = saved.rename(directory / "best_model")
+    shutil.rmtree(directory / MODELS, ignore_errors=True)
+    return kept
 
 
 def _progress_printer(on_line, pipeline: Pipeline):
@@ -168,16 +198,46 @@ def _check_search_space(pipeline: Pipeline) -> None:
             check_pipeline(candidate)
 
 
-def random_stopping_spend(pipeline: Pipeline, plan) -> Spend:
-    """The whole random-stopping sweep as one reservation: RepeatAndSelect of the costliest
-    trial the search space allows, i.e. the one with the smallest sigma (per RDP order, less
-    noise never costs less privacy; q, steps and releases are the same for every trial)."""
+def worst_trial_spend(pipeline: Pipeline, plan) -> Spend:
+    """The costliest trial the search space allows: the one with the smallest sigma (per RDP
+    order, less noise never costs less privacy; q, steps and releases are the same for every
+    trial, as only sigma among the searchable fields changes what a trial spends)."""
     searched = pipeline.tune.search_space.get("privacy.noise_multiplier")
     worst_sigma = min(searched.values()) if searched is not None else plan.noise_multiplier
-    stopping = pipeline.tune.random_stopping
     trial = plan.spend(plan.steps, plan.epochs * plan.releases_per_epoch)
-    return replace(trial, noise_multiplier=worst_sigma, mechanism="random_stopping",
+    return replace(trial, noise_multiplier=worst_sigma)
+
+
+def random_stopping_spend(pipeline: Pipeline, plan) -> Spend:
+    """The whole random-stopping sweep as one reservation: RepeatAndSelect of the costliest
+    trial."""
+    stopping = pipeline.tune.random_stopping
+    return replace(worst_trial_spend(pipeline, plan), mechanism="random_stopping",
                    mean_trials=stopping.mean_trials, shape=stopping.shape_value)
+
+
+def first_refusal(pipeline: Pipeline, plan) -> str:
+    """Why the budget, as its ledger has it now, cannot pay the sweep's first (costliest)
+    trial, or the random-stopping sweep's one reservation; "" when it can. Trials still
+    reserve for themselves: this only spares a spent budget a sweep that cannot train."""
+    from raydp_train.budget_report import book_of
+
+    first = (random_stopping_spend(pipeline, plan) if pipeline.tune.selection == "random_stopping"
+             else trials_spend(pipeline, plan, 1))
+    decision, _, _ = book_of(pipeline.budget).propose("preflight", "first trial", first)
+    return "" if decision.granted else decision.reason
+
+
+def trial_count(config) -> int:
+    """Trials a composition sweep runs: num_samples per point of the grid."""
+    grids = [len(d.grid) for d in config.search_space.values() if d.grid is not None]
+    return config.num_samples * math.prod(grids)
+
+
+def trials_spend(pipeline: Pipeline, plan, trials: int) -> Spend:
+    """`trials` costliest trials, composed: the same (q, sigma) steps and releases add up."""
+    worst = worst_trial_spend(pipeline, plan)
+    return replace(worst, steps=worst.steps * trials, releases=worst.releases * trials)
 
 
 def _param_space(config) -> dict:
@@ -230,7 +290,10 @@ def _trial_row(result, config) -> dict:
 
 
 def _best(trials: list[dict], config) -> dict | None:
-    scored = [t for t in trials if not math.isnan(t[config.metric])]
+    """Among the trials that trained as planned (or until ASHA compared them): one the budget
+    cut short is no candidate for the model a sweep ends with."""
+    scored = [t for t in trials if t["stop_reason"] in ("completed", "stopped by scheduler")
+              and not math.isnan(t[config.metric])]
     if not scored:
         return None
     pick = max if config.mode == "max" else min
@@ -243,11 +306,22 @@ def _finish(directory, pipeline, trials, best, budget, sweep_id, privacy, on_lin
         epsilon=budget.epsilon_of(sweep_id), delta=status["delta"],
         accountant=status["accountant"], budget_epsilon=status["epsilon"],
         budget_epsilon_counted=status["epsilon_counted"], trials=len(trials))
-    best_pipeline = None
     if best is not None:
         overrides = [f"{k}={best[k]}" for k in pipeline.tune.search_space]
         best_pipeline = pipeline_from_dict(pipeline.model_dump(mode="json"), overrides)
-        (directory / "best.yaml").write_text(dump_pipeline(best_pipeline))
+        best = {**best, "model": str(_keep_best_model(directory, best))}
+        (directory / "best.yaml").write_text(
+            _best_yaml_header(directory, best, pipeline) + dump_pipeline(best_pipeline))
+    shutil.rmtree(directory / MODELS, ignore_errors=True)
     sweep = SweepResult(directory, trials, best, privacy)
     write_sweep_outputs(sweep, pipeline, on_line)
     return sweep
+
+
+def _best_yaml_header(directory: Path, best: dict, pipeline: Pipeline) -> str:
+    """best.yaml must not send anyone to train, and spend, again for a model they have."""
+    return (f"# The best trial ({pipeline.tune.metric} {best[pipeline.tune.metric]:.4f}) of the "
+            f"sweep in {directory}.\n# Its model is already saved: {best['model']} "
+            "(model.pt, record.json).\n# `raydp-train run` of this file trains a NEW model and "
+            f"SPENDS AGAIN from budget '{pipeline.budget.name}'\n# (`raydp-train validate` "
+            "says whether the budget can still pay).\n")

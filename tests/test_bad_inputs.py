@@ -7,6 +7,7 @@ ledger lives under the test's tmp_path, then reads that ledger back.
 
 import json
 import re
+import socket
 from pathlib import Path
 from typing import NamedTuple
 
@@ -194,6 +195,18 @@ CASES = {
         ("training.cache_frozen_prefix=true",), ("training.cache_frozen_prefix: needs model.kind hf",)),
     "unsupported-trainable-layer": Case((text("text.parquet"), hf(config=TINY_LLAMA)), (
         "module 'model.model.layers.0.input_layernorm' (LlamaRMSNorm)", "no rule")),
+    # --- resources (the session's Ray stands for a cluster of 4 CPUs and no GPU)
+    "gpu-asked-none-here": Case(("training.use_gpu=true",),
+                                ("training.use_gpu: true", "no GPU")),
+    "dead-address": Case((), ("--address 127.0.0.1:{port} (or RAY_ADDRESS): nothing answers",),
+                         extra=("--address", "127.0.0.1:{port}")),
+    "dead-address-tune": Case(
+        (setting("data.validation", {"fraction": 0.25, "private": False}),
+         setting("tune", {"search_space": {"training.lr": {"choice": [0.1]}}})),
+        ("--address 127.0.0.1:{port}",), extra=("--address", "127.0.0.1:{port}"),
+        command="tune"),
+    "too-few-cpus": Case(("training.workers=6",),
+                         ("training.workers: 6 workers need 6 CPUs", "cluster has 4")),
     # --- run directories and sweeps
     "output-dir-is-a-file": Case(("run.output_dir={data}/a_file",),
                                  ("run.output_dir: cannot create {data}/a_file/",)),
@@ -246,6 +259,14 @@ def data(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def budget_of(tmp_path: Path) -> dict:
     """A budget of this test alone (accountant actors are named per budget, per Ray session)."""
     return {"name": f"bad-{tmp_path.name}", "epsilon": 10.0, "delta": 1e-5,
@@ -277,9 +298,11 @@ def assert_refused_cleanly(rc: int, err: str, expected) -> None:
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_bad_input_is_refused_before_any_reservation(case, data, ray_session, tmp_path, capsys):
+def test_bad_input_is_refused_before_any_reservation(case, data, ray_session, tmp_path, capsys,
+                                                     closed_port):
     def fill(text: str) -> str:
-        return text.replace("{data}", str(data)).replace("{tmp}", str(tmp_path))
+        return (text.replace("{data}", str(data)).replace("{tmp}", str(tmp_path))
+                .replace("{port}", str(closed_port)))
 
     budget = budget_of(tmp_path)
     overrides = [x for s in case.sets for x in ("--set", fill(s))]
@@ -331,6 +354,6 @@ def test_exhausted_budget_stops_before_the_first_epoch_without_a_new_reservation
     assert rc == EXIT_BUDGET_EXHAUSTED, out
     assert "STOPPED: budget exhausted" in out
     assert not re.search(r"^epoch ", out, re.MULTILINE)  # not one epoch ran
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    assert json.loads((run_dir / "record.json").read_text())["privacy"]["steps"] == 0
+    assert "no run directory kept" in out
+    assert not list((tmp_path / "runs").iterdir())  # no untrained model.pt to mistake for one
     assert ledger_rows(budget["name"], budget["ledger"]) == before  # nothing new reserved

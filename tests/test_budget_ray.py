@@ -5,11 +5,13 @@ import json
 import dp_accounting
 import pyarrow.parquet as pq
 import pytest
+import torch
 from dp_accounting import rdp
 
 from raydp_train.budget_actor import actor_name, open_budget
 from raydp_train.budget_report import ledger_rows
 from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
+from raydp_train.models import build_model
 from raydp_train.pipeline import load_pipeline
 from raydp_train.privacy.budget import NAMESPACE, Spend
 from raydp_train.sweep_config import BudgetConfig
@@ -87,12 +89,37 @@ def test_sweep_spends_one_budget_until_it_is_exhausted(ray_session, tmp_path, ca
     assert max(r["running_epsilon"] for r in rows) <= 4.5
     assert summary["privacy"]["epsilon"] == pytest.approx(rows[-1]["running_epsilon"], rel=1e-6)
     assert "privacy of the whole sweep: epsilon" in output and "budget exhausted" in output
+    assert_best_model_loads(sweep_dir, summary["best"])
 
-    # A run on the same, now spent, budget stops cleanly before its first epoch.
+    # A run on the same, now spent, budget stops cleanly before its first epoch, keeping no
+    # run directory (no untrained model.pt).
     run_args = ["run", pipeline] + [x for o in overrides for x in ("--set", o)]
     assert main(run_args) == EXIT_BUDGET_EXHAUSTED
     assert "STOPPED: budget exhausted" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [sweep_dir.name]
     assert load_pipeline(sweep_dir / "best.yaml").budget.name == "test-sweep"
+
+    # A second sweep on the spent budget trains nothing and writes nothing.
+    assert main(args) == EXIT_BUDGET_EXHAUSTED
+    output = capsys.readouterr().out
+    assert "STOPPED before any trial: budget exhausted" in output and "best (" not in output
+    assert len(list((tmp_path / "runs").glob("sweep-digits-sweep-*"))) == 1
+
+
+def assert_best_model_loads(sweep_dir, best: dict) -> None:
+    """The sweep ends with the best trial's trained model, its record, and no other model."""
+    model_dir = sweep_dir / "best_model"
+    assert best["model"] == str(model_dir) and not (sweep_dir / "trial_models").exists()
+    best_yaml = (sweep_dir / "best.yaml").read_text()
+    assert f"already saved: {model_dir}" in best_yaml and "SPENDS AGAIN" in best_yaml
+    record = json.loads((model_dir / "record.json").read_text())
+    best_pipeline = load_pipeline(sweep_dir / "best.yaml")
+    assert record["pipeline"] == best_pipeline.model_dump(mode="json")
+    assert record["privacy"]["steps"] > 0 and record["privacy"]["for_release"] is False  # seeded
+    assert record["metrics"][-1]["validation_accuracy"] == best["validation_accuracy"]
+    model = build_model(best_pipeline.model, (64,), 10)  # sklearn digits: 8x8 pixels, 10 classes
+    model.load_state_dict(torch.load(model_dir / "model.pt"))
+    assert model(torch.zeros(1, 64)).shape == (1, 10)
 
 
 def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_session, tmp_path):

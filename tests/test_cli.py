@@ -68,3 +68,18 @@ def test_output_into_a_closed_pipe_ends_quietly():
     done = subprocess.run(shell, shell=True, capture_output=True, text=True, timeout=120,
                           check=False)
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_a_model_that_never_took_a_step_is_not_for_release():
+    from types import SimpleNamespace
+
+    from raydp_train.pipeline import load_pipeline
+    from raydp_train.plan import make_plan
+    from raydp_train.report import privacy_statement
+
+    plan = make_plan(load_pipeline(QUICKSTART), 1000)
+    for steps, for_release in ((0, False), (plan.steps, True)):
+        # What privacy_statement reads of a TrainResult (whose module would import Ray).
+        result = SimpleNamespace(noise_mode="secure", steps_done=steps, steps_charged=steps,
+                                 releases_charged=0, stop_reason="completed")
+        assert privacy_statement(plan, result, workers=1)["for_release"] is for_release

@@ -306,6 +306,20 @@ def catch_up(book: BudgetBook, rows: list[dict]) -> None:
             f"the last fragment ({rows[-1]['fragment']}) recorded {book.epsilon:.6g}")
 
 
+def check_same_terms(asked: BudgetTerms, held: BudgetTerms) -> None:
+    """Refuse a pipeline that asks an existing budget for other terms than it was created with."""
+    if asked == held:
+        return
+    differ = [f"budget.{key}" for key in ("epsilon", "delta", "accountant")
+              if getattr(asked, key) != getattr(held, key)]
+    raise BudgetError(
+        f"{', '.join(differ)}: budget '{asked.name}' was created with "
+        f"epsilon={held.epsilon:g}, delta={held.delta:g}, accountant={held.accountant}; "
+        f"this pipeline asks for epsilon={asked.epsilon:g}, delta={asked.delta:g}, "
+        f"accountant={asked.accountant}. A budget's terms never change: use these "
+        "values or another budget name")
+
+
 def terms_of(row: dict) -> BudgetTerms:
     """The budget terms every ledger row carries."""
     return BudgetTerms(row["budget"], row["budget_epsilon"], row["budget_delta"],

@@ -16,6 +16,7 @@ from raydp_train.privacy.budget import (
     Decision,
     Spend,
     catch_up,
+    check_same_terms,
     decision_of,
     replay,
 )
@@ -39,16 +40,7 @@ class BudgetAccountant:
     def check_terms(self, terms: BudgetTerms, ledger_root: str) -> dict:
         """Refuse a user whose pipeline asks for other terms or another ledger."""
         self._usable()
-        if terms != self.book.terms:
-            differ = [f"budget.{key}" for key in ("epsilon", "delta", "accountant")
-                      if getattr(terms, key) != getattr(self.book.terms, key)]
-            raise BudgetError(
-                f"{', '.join(differ)}: budget '{terms.name}' was created with "
-                f"epsilon={self.book.terms.epsilon:g}, delta={self.book.terms.delta:g}, "
-                f"accountant={self.book.terms.accountant}; "
-                f"this pipeline asks for epsilon={terms.epsilon:g}, delta={terms.delta:g}, "
-                f"accountant={terms.accountant}. A budget's terms never change: use these "
-                "values or another budget name")
+        check_same_terms(terms, self.book.terms)
         if ledger_root != self.ledger_root:
             raise BudgetError(f"budget.ledger: budget '{terms.name}' keeps its ledger at "
                               f"{self.ledger_root}, not {ledger_root}")

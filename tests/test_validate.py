@@ -1,0 +1,114 @@
+"""`raydp-train validate` tells the truth about the budget: it reads the ledger (no Ray),
+prints the epsilon left and, for a sweep, the whole search's epsilon, and exits 3 when the
+budget cannot pay."""
+
+import dp_accounting
+import pytest
+from dp_accounting import rdp
+
+from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
+from raydp_train.privacy.budget import BudgetTerms, Spend
+from raydp_train.privacy.budget_accountant import BudgetAccountant
+from raydp_train.privacy.ledger import as_uri
+
+SWEEP = "pipelines/sweep_digits.yaml"
+# sweep_digits: N = 1150, batch 128 -> q = 0.111304, 71 steps and 8 validation releases (sigma
+# 4) per trial; trials search sigma in {1.2, 1.5, 2.0}.
+Q, STEPS, RELEASES = 128 / 1150, 71, 8
+
+
+def sets(tmp_path, *more: str, epsilon: float = 10.0) -> list[str]:
+    overrides = [f"budget.ledger={tmp_path}/budgets", "budget.name=b", f"budget.epsilon={epsilon}",
+                 f"run.output_dir={tmp_path}/runs", *more]
+    return [x for o in overrides for x in ("--set", o)]
+
+
+def spend_earlier(tmp_path, epsilon: float, spend: Spend) -> None:
+    """An earlier run's reservation, written to the ledger by an accountant (no Ray)."""
+    book = BudgetAccountant(as_uri(f"{tmp_path}/budgets"), BudgetTerms("b", epsilon, 1e-5))
+    assert book.reserve("earlier", "earlier-run", spend).granted
+
+
+def line(out: str, start: str) -> str:
+    return next(x for x in out.splitlines() if x.startswith(start))
+
+
+def trials_epsilon(trials: int, sigma: float) -> float:
+    """dp-accounting itself: `trials` trials at `sigma`, steps and releases composed."""
+    accountant = rdp.RdpAccountant()
+    accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(Q, dp_accounting.GaussianDpEvent(sigma)),
+        STEPS * trials))
+    accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(4.0), RELEASES * trials))
+    return accountant.get_epsilon(1e-5)
+
+
+def test_a_sweep_prints_the_whole_search_and_how_much_of_it_the_budget_pays(tmp_path, capsys):
+    assert main(["validate", SWEEP, *sets(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    searched = float(line(out, "the sweep will spend").split()[5])
+    assert searched == pytest.approx(trials_epsilon(6, 1.2), abs=5e-5)  # 6 trials, sigma 1.2
+    assert "composition of 6 trials" in out
+    assert "budget left             epsilon 10.0000 of 10" in out
+    paid = next(k for k in range(7) if trials_epsilon(k + 1, 1.2) > 10)
+    assert f"pays for {paid} of the 6 trials" in out
+    assert not (tmp_path / "budgets").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_grid_multiplies_the_trials(tmp_path, capsys):
+    space = "tune.search_space={privacy.noise_multiplier: {grid: [1.5, 2.0]}}"
+    assert main(["validate", SWEEP, *sets(tmp_path, space, "tune.num_samples=2",
+                                          epsilon=100)]) == 0
+    out = capsys.readouterr().out
+    assert "composition of 4 trials" in out
+    assert float(line(out, "the sweep will spend").split()[5]) == pytest.approx(
+        trials_epsilon(4, 1.5), abs=5e-5)
+    assert line(out, "budget after").split()[3] == line(out, "the sweep will spend").split()[5]
+
+
+def test_a_random_stopping_sweep_is_one_reservation_paid_in_full_or_refused(tmp_path, capsys):
+    random_stopping = ("tune.selection=random_stopping", "tune.random_stopping={mean_trials: 3}")
+    assert main(["validate", SWEEP, *sets(tmp_path, *random_stopping, epsilon=12)]) == 0
+    out = capsys.readouterr().out
+    searched = float(line(out, "the sweep will spend").split()[5])
+    assert 5 < searched < 12 and "random stopping, mean 3 trials" in out
+    assert line(out, "budget after").split()[3] == f"{searched:.4f}"
+    assert main(["validate", SWEEP, *sets(tmp_path, *random_stopping, epsilon=8)]) == 3
+    assert f"the sweep would bring the budget to epsilon {searched:.4f} of 8" in line(
+        capsys.readouterr().out, "CANNOT BE PAID")
+
+
+def test_a_spent_budget_refuses_the_sweep_and_the_run(tmp_path, capsys):
+    spend_earlier(tmp_path, 10.0, Spend(Q, 1.0, 120))
+    assert main(["validate", SWEEP, *sets(tmp_path)]) == EXIT_BUDGET_EXHAUSTED
+    out = capsys.readouterr().out
+    left = float(line(out, "budget left").split()[3])
+    assert 0 < left < 5, out  # spent, and shown from the ledger
+    assert "CANNOT BE PAID          one trial would bring the budget to" in out
+    assert main(["validate", SWEEP, *sets(tmp_path, "tune=null")]) == EXIT_BUDGET_EXHAUSTED
+    assert "CANNOT BE PAID          this run would" in capsys.readouterr().out
+
+
+def test_a_run_that_fits_prints_what_is_left_after_it(tmp_path, capsys):
+    spend_earlier(tmp_path, 30.0, Spend(Q, 1.0, 50))
+    assert main(["validate", SWEEP, *sets(tmp_path, "tune=null", epsilon=30)]) == 0
+    out = capsys.readouterr().out
+    left = float(line(out, "budget left").split()[3])
+    after = float(line(out, "budget after").split()[3])
+    assert 0 < 30 - left < after < 30
+
+
+def test_other_terms_than_the_ledger_s_are_refused(tmp_path, capsys):
+    spend_earlier(tmp_path, 30.0, Spend(Q, 1.0, 50))
+    assert main(["validate", SWEEP, *sets(tmp_path, "tune=null", epsilon=20)]) == 2
+    assert "budget.epsilon: budget 'b' was created with epsilon=30" in capsys.readouterr().err
+
+
+def test_an_unreadable_ledger_is_one_line(tmp_path, capsys):
+    (tmp_path / "budgets").mkdir()
+    (tmp_path / "budgets" / "b").write_text("a file where the budget's folder should be")
+    assert main(["validate", SWEEP, *sets(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: budget.ledger: cannot read file://{tmp_path}/budgets/b"), err
+    assert err.count("\n") == 1
