@@ -212,3 +212,21 @@ def test_lsg_accounting_equals_dpsgd_and_it_learns():
     # Both Linear layers are adapted (min(n, m) > 4): kept carrier entries plus biases are far
     # fewer numbers than the model's 4,810 parameters.
     assert result.trained_per_step < result.model_parameters / 3
+
+
+@pytest.mark.parametrize("optimizer, low_rank", [("sgd", True), ("adam", False)])
+def test_only_sgd_keeps_the_reconstructed_weight_update_low_rank(optimizer, low_rank):
+    """dW = dL R + L dR - L (L^T dL) R has rank <= 2r; SGD moves W by -lr dW (rank <= 2r), Adam
+    by about lr * sign(dW) per coordinate: a full-rank update (why the SST-2 recipe uses SGD)."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 3))
+    lsg = lsg_for(model, rank=2, layers=["0"])
+    clipper = PerExampleClipper(model, 1.0, rules=lsg.rules)
+    lsg.bind(clipper.slots, clipper.flat_grad)
+    before = model[0].weight.detach().clone()
+    optimizers = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+    x, y = torch.randn(6, 12), torch.randint(0, 3, (6,))
+    private_step(model, clipper, optimizers[optimizer](model.parameters(), lr=0.01), [(x, y)],
+                 cross_entropy_loss, 1.0, 6.0, torch.Generator().manual_seed(7), lsg=lsg)
+    update_rank = torch.linalg.matrix_rank(model[0].weight.detach() - before, rtol=1e-8)
+    assert (update_rank <= 2 * 2) == low_rank
