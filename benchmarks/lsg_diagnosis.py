@@ -54,6 +54,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "lsg-adamw (old recipe)": (LSG, ADAMW),
     "dpsgd-adamw (shipped)": (DPSGD, []),
     "head only, adamw 1e-2": (DPSGD, [f"model.trainable=['{HEAD}']", "training.lr=0.01"]),
+    "head only, sgdm 1": (DPSGD, [f"model.trainable=['{HEAD}']", *SGD, "training.lr=1.0"]),
     "lsg-adamw, encoder lr 1e-5, head 1e-2": (LSG, [*ADAMW, "training.lr=1e-5", _head_lr(0.01)]),
     "lsg-sgdm, encoder 0.5, head 1": (LSG, _sgd(0.5, 1.0)),
     "lsg-sgdm, encoder 0.02, head 1": (LSG, _sgd(0.02, 1.0)),
@@ -86,7 +87,7 @@ def run_variant(path: str, overrides: list[str], args, dataset: Dataset) -> dict
     pipeline = load_pipeline(path, [
         f"training.epochs={args.epochs}", "data.validation=null", "run.seed=0",
         "training.cache_frozen_prefix=true", f"privacy.target_epsilon={args.epsilon}",
-        f"training.batch_size={args.batch}", *overrides])
+        f"training.batch_size={args.batch}", *overrides, *args.set])
     plan = make_plan(pipeline, dataset.num_train)
     torch.manual_seed(0)
     reference = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes)
@@ -110,6 +111,8 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--test", action="store_true",
                         help="also score the test split (confirmation runs only)")
+    parser.add_argument("--set", action="append", default=[],
+                        help="an override applied to every variant, after its own")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS),
                         help="names (or unique prefixes) of VARIANTS")
     args = parser.parse_args()

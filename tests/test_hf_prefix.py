@@ -14,7 +14,7 @@ from raydp_train.plan import make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.train.context import LocalContext
 from raydp_train.train.step import cross_entropy_loss
-from raydp_train.train.worker import train
+from raydp_train.train.worker import accuracy, train
 
 pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 DROPOUT = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}  # BERT, RoBERTa
@@ -100,7 +100,8 @@ def test_a_run_with_the_cache_trains_the_same_model():
     tokens = torch.randint(2, 40, (80, 2, 8), generator=generator)
     tokens[:, 1] = (torch.arange(8) < torch.randint(3, 9, (80, 1), generator=generator)).long()
     labels = torch.randint(0, 2, (80,), generator=generator)
-    dataset = Dataset(tokens[:64], labels[:64], tokens[64:], labels[64:], 2)
+    dataset = Dataset(tokens[:64], labels[:64], tokens[64:72], labels[64:72], 2,
+                      tokens[72:], labels[72:])
     plan = make_plan(pipeline, 64)
     runs = [train(pipeline_from_dict({**pipeline.model_dump(), "training": {
         **pipeline.training.model_dump(), "cache_frozen_prefix": cache}}), plan,
@@ -109,3 +110,27 @@ def test_a_run_with_the_cache_trains_the_same_model():
         torch.testing.assert_close(cached, plain, rtol=1e-5, atol=1e-6)
     losses = [[row["train_loss"] for row in run.metrics] for run in runs]
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    scores = [[(row["test_accuracy"], row["validation_accuracy"]) for row in run.metrics]
+              for run in runs]
+    assert scores[1] == scores[0]
+
+
+@pytest.mark.parametrize("trainable", ["top-layer", "head-only"])
+def test_scoring_from_the_cached_prefix_predicts_what_the_whole_model_predicts(trainable):
+    model = classifier(trainable=HEAD["bert"] if trainable == "head-only" else TRAINABLE[trainable])
+    with torch.no_grad():  # a head that tells the examples apart (its init may be zeros)
+        for name, parameter in model.named_parameters():
+            if "classifier" in name:
+                parameter.normal_(0.0, 3.0, generator=torch.Generator().manual_seed(2))
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(2, 40, (300, 2, 9), generator=generator)
+    tokens[:, 1] = (torch.arange(9) < torch.randint(2, 10, (300, 1), generator=generator)).long()
+    model.eval()
+    with torch.no_grad():
+        own_predictions = model(tokens).argmax(1)
+    assert 0 < own_predictions.sum() < 300  # both classes, so a row mix-up shows
+    prefix = FrozenPrefix(model)
+    hidden = prefix.outputs(model, tokens)
+    assert accuracy(model, tokens, own_predictions) == 1.0
+    assert accuracy(model, (tokens, hidden), own_predictions, prefix) == 1.0
+    assert accuracy(model, (tokens, hidden.flip(0)), own_predictions, prefix) < 1.0

@@ -104,7 +104,8 @@ def train(
         if lsg is not None:
             lsg.refresh(step, first_epoch, force=True)  # carriers of the restored weights
     # After the restore: the cache holds what this rank's model computes, frozen from now on.
-    per_example_loss, prefix_outputs = _frozen_prefix_cache(training, model, dataset, shard)
+    per_example_loss, prefix_outputs, evaluate = _frozen_prefix_cache(
+        training, model, dataset, shard)
     ends = epoch_ends(training.epochs, plan.expected_batch_size, plan.num_examples)
     started = time.monotonic()
     for epoch in range(first_epoch, len(ends) + 1):
@@ -140,14 +141,15 @@ def train(
             "steps_charged": charged.steps,
             "examples_seen": int(totals[1]),
             "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
-            "test_accuracy": accuracy(model, dataset.test_features, dataset.test_labels),
+            "test_accuracy": evaluate(model, "test"),
             "epsilon": plan.epsilon(charged.steps, releases=charged.releases),
             "elapsed_s": time.monotonic() - started,
             "lr": training.lr * schedule_scale(optimizer),  # training.lr as scheduled
         }
         if dataset.validation_labels is not None:
             row["validation_accuracy"] = context.gather(
-                released_accuracy(model, dataset, plan, noise_generator))[0]
+                released_accuracy(evaluate(model, "validation"), len(dataset.validation_labels),
+                                  plan, noise_generator))[0]
         context.settle(epoch_charge)
         result.metrics.append(row)
         context.report(row, _checkpoint_state(model, optimizer, schedule, epoch, step,
@@ -164,12 +166,24 @@ def train(
 
 
 def _frozen_prefix_cache(training, model: nn.Module, dataset, shard: torch.Tensor):
-    """(per-example loss, outputs of the frozen prefix for this shard or None): with
-    training.cache_frozen_prefix the frozen bottom layers run once per example (hf_prefix)."""
+    """(per-example loss, outputs of the frozen prefix for this shard or None, evaluate):
+    with training.cache_frozen_prefix the frozen bottom layers run once per example (hf_prefix),
+    the test and validation rows' too, so each epoch's scoring runs only the trained top."""
+    splits = {"test": (dataset.test_features, dataset.test_labels),
+              "validation": (dataset.validation_features, dataset.validation_labels)}
     if not training.cache_frozen_prefix:
-        return cross_entropy_loss, None
+        return (cross_entropy_loss, None,
+                lambda model, split: accuracy(model, *splits[split]))
     prefix = FrozenPrefix(model)
-    return cached_prefix_loss(prefix), prefix.outputs(model, dataset.train_features[shard])
+    hidden = {split: prefix.outputs(model, features)
+              for split, (features, _) in splits.items() if features is not None}
+
+    def evaluate(model: nn.Module, split: str) -> float:
+        features, labels = splits[split]
+        return accuracy(model, (features, hidden[split]), labels, prefix)
+
+    return (cached_prefix_loss(prefix), prefix.outputs(model, dataset.train_features[shard]),
+            evaluate)
 
 
 def _micro_batches(dataset, shard, local, prefix_outputs, size: int, device):
@@ -195,26 +209,32 @@ def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
     }
 
 
-def released_accuracy(model: nn.Module, dataset, plan: PrivacyPlan, noise_generator) -> float:
+def released_accuracy(exact_accuracy: float, rows: int, plan: PrivacyPlan, noise_generator) -> float:
     """Validation accuracy as released: (correct + N(0, sigma_r^2)) / n when the rows are
     private and a release noise is set (a count changes by at most 1 per example)."""
-    features, labels = dataset.validation_features, dataset.validation_labels
-    correct = accuracy(model, features, labels) * len(labels)
+    correct = exact_accuracy * rows
     if plan.release_noise_multiplier > 0:
         noise = torch.empty(1, device=noise_generator.device)
         noise.normal_(0.0, plan.release_noise_multiplier, generator=noise_generator)
         correct += noise.item()
-    return correct / len(labels)
+    return correct / rows
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> float:
+def accuracy(model: nn.Module, features, labels: torch.Tensor,
+             prefix: FrozenPrefix | None = None) -> float:
+    """Share of `labels` predicted; `features` are (tokens, cached prefix outputs) with a
+    `prefix`, whose frozen layers then do not run again."""
     model.eval()
     device = next(model.parameters()).device
-    correct = sum(
-        (model(features[i : i + 1024].to(device)).argmax(1).cpu() == labels[i : i + 1024])
-        .sum()
-        .item()
-        for i in range(0, len(labels), 1024)
-    )
+    correct = 0
+    for start in range(0, len(labels), 1024):
+        rows = slice(start, start + 1024)
+        if prefix is None:
+            logits = model(features[rows].to(device))
+        else:
+            tokens, hidden = features
+            with prefix.skipped(hidden[rows].to(device)):
+                logits = model(tokens[rows].to(device))
+        correct += (logits.argmax(1).cpu() == labels[rows]).sum().item()
     return correct / max(len(labels), 1)
