@@ -1,0 +1,36 @@
+"""Every shipped pipeline loads, and the privacy numbers its header promises are the ones the
+accounting gives (so a changed recipe cannot leave a stale claim behind)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from raydp_train.pipeline import load_pipeline
+from raydp_train.plan import make_plan
+from raydp_train.privacy.accounting import composed_epsilon
+from raydp_train.tune import random_stopping_spend
+
+PIPELINES = sorted((Path(__file__).parents[1] / "pipelines").glob("*.yaml"))
+SST2_TRAIN_SENTENCES = 6920  # GLUE SST-2 sentence split, as ../shared/data/sst2 holds it
+
+
+@pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.name)
+def test_every_shipped_pipeline_loads(path):
+    pipeline = load_pipeline(str(path))
+    assert pipeline.name == path.stem.replace("_", "-")
+
+
+def test_the_sst2_sweep_header_states_what_the_search_spends():
+    path = next(p for p in PIPELINES if p.name == "sst2_minilm_sweep.yaml")
+    header = path.read_text()
+    pipeline = load_pipeline(str(path))
+    plan = make_plan(pipeline, SST2_TRAIN_SENTENCES)
+    per_trial = plan.epsilon()
+    search = composed_epsilon([random_stopping_spend(pipeline, plan).dp_event()], plan.delta,
+                              plan.accountant)
+    claimed = re.search(r"epsilon ([\d.]+) per trial, ([\d.]+) for the whole search", header)
+    assert claimed, "the header must state the per-trial and whole-search epsilon"
+    assert float(claimed[1]) == pytest.approx(per_trial, abs=0.005)
+    assert float(claimed[2]) == pytest.approx(search, abs=0.005)
+    assert search <= pipeline.budget.epsilon  # the budget it names can pay the search
