@@ -64,6 +64,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "lsg-sgdm, encoder 0.1, head 1, sparsity 0": (
         LSG, _sgd(0.1, 1.0) + ["privacy.lsg.sparsity=0"]),
     "dpsgd-sgdm, encoder 0.1, head 1": (DPSGD, _sgd(0.1, 1.0)),
+    "lsg-sgdm, encoder 0.3, head 1": (LSG, _sgd(0.3, 1.0)),
+    "lsg-sgdm, encoder 0.3, head 1, rank 16, sparsity 0": (
+        LSG, _sgd(0.3, 1.0) + ["privacy.lsg.rank=16", "privacy.lsg.sparsity=0"]),
 }
 
 
