@@ -6,6 +6,7 @@ ledger lives under the test's tmp_path, then reads that ledger back.
 """
 
 import json
+import os
 import re
 import socket
 from pathlib import Path
@@ -64,11 +65,13 @@ def hf(name_or_path: str = MINILM, config: dict | None = TINY_BERT) -> str:
 
 
 LSG = "privacy.mechanism=lsg"
+RELATIVE_PARQUET = "source: parquet\n  path: no_such/missing.parquet\n  feature_columns: [x, y]"
 MLP_8 = setting("model", {"kind": "mlp", "hidden_sizes": [8]})
 
 
 class Case(NamedTuple):
-    sets: tuple[str, ...]  # --set overrides; {data} is the folder of the files below
+    sets: tuple[str, ...]  # --set overrides; {data} is the folder of the files below,
+    # {tmp} the test's folder (where the pipeline file is), {cwd} the current directory
     expect: tuple[str, ...]  # in the message: the field, and the file or module at fault
     extra: tuple[str, ...] = ()  # more command-line arguments
     command: str = "run"
@@ -175,6 +178,20 @@ CASES = {
         "data.label_column: column 'label' in {data}/float_labels.parquet is double",)),
     "empty-dataset": Case((numbers("empty.parquet"),),
                           ("data.path: {data}/empty.parquet has no rows",)),
+    # a relative path in the pipeline file means a file beside it; one given with --set, a
+    # file in the current directory; either way the error shows the absolute path tried
+    "relative-path-in-the-file-missing": Case((), (
+        "data.path: parquet file not found: {tmp}/no_such/missing.parquet",),
+        corrupt=("source: synthetic\n  n_samples: 200", RELATIVE_PARQUET)),
+    "relative-path-in-the-file-missing-validate": Case((), (
+        "data.path: parquet file not found: {tmp}/no_such/missing.parquet",),
+        corrupt=("source: synthetic\n  n_samples: 200", RELATIVE_PARQUET), command="validate"),
+    "relative-path-given-with-set-missing": Case((numbers("numbers.parquet").replace(
+        "{data}/numbers.parquet", "no_such/missing.parquet"),), (
+        "data.path: parquet file not found: {cwd}/no_such/missing.parquet",)),
+    "relative-validation-path-missing": Case(
+        (numbers("numbers.parquet", validation={"path": "gone.parquet", "private": False}),),
+        ("data.validation.path: parquet file not found: {cwd}/gone.parquet",)),
     # --- models
     "cnn-on-tabular-data": Case((setting("model", {"kind": "cnn"}),),
                                 ("model.kind: 'cnn' needs image features",)),
@@ -302,7 +319,7 @@ def test_bad_input_is_refused_before_any_reservation(case, data, ray_session, tm
                                                      closed_port):
     def fill(text: str) -> str:
         return (text.replace("{data}", str(data)).replace("{tmp}", str(tmp_path))
-                .replace("{port}", str(closed_port)))
+                .replace("{port}", str(closed_port)).replace("{cwd}", os.getcwd()))
 
     budget = budget_of(tmp_path)
     overrides = [x for s in case.sets for x in ("--set", fill(s))]
