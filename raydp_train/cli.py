@@ -117,23 +117,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _prepare(args):
-    """Load and check everything before any privacy is spent (see preflight). Text data is
-    tokenized by Ray Data, so Ray starts (or is joined) first."""
+    """Load and check everything before any privacy is spent (see preflight). `run` tokenizes
+    text with Ray Data, so Ray starts (or is joined) first; `validate` starts no Ray and reads
+    no model weights: it checks the pipeline, not this machine."""
     from raydp_train.locations import check_locations
     from raydp_train.preflight import check_pipeline
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
     check_locations(pipeline, args.pipeline)
-    num_cpus = max(4, pipeline.training.workers + 2)
-    if args.command is not validate:
+    for_training = args.command is not validate
+    if for_training:
         from raydp_train.resources import connect
 
-        connect(args.address, pipeline.training, num_cpus)
-    elif getattr(pipeline.data, "text_column", None) is not None:
-        from raydp_train.train.trainer import ensure_ray
-
-        ensure_ray(None, num_cpus)  # validate checks the pipeline, not this machine's GPUs
-    dataset, plan = check_pipeline(pipeline)
+        connect(args.address, pipeline.training, max(4, pipeline.training.workers + 2))
+    dataset, plan = check_pipeline(pipeline, for_training)
     return pipeline, dataset, plan
 
 

@@ -42,8 +42,8 @@ def check_text_file(path: Path, text_column: str, label_column: str, field: str)
     if not path.is_file():
         raise DataError(f"{field}: parquet file not found: {path}")
     try:
-        schema = pq.read_schema(path)
-        rows = pq.read_metadata(path).num_rows
+        parquet = pq.ParquetFile(path)  # the footer, read once: schema and row count
+        schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(f"{field}: cannot read {path} as parquet: {error}") from error
     missing = [c for c in (text_column, label_column) if c not in schema.names]
@@ -56,7 +56,7 @@ def check_text_file(path: Path, text_column: str, label_column: str, field: str)
                         "expected strings")
     if rows == 0:
         raise DataError(f"{field}: {path} has no rows")
-    nulls = pq.read_table(path, columns=[text_column]).column(text_column).null_count
+    nulls = parquet.read(columns=[text_column]).column(text_column).null_count
     if nulls:
         raise DataError(f"data.text_column: '{text_column}' in {path} has {nulls} null rows")
     return rows

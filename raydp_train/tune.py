@@ -195,7 +195,7 @@ def _check_search_space(pipeline: Pipeline) -> None:
         for value in dimension.values():
             candidate = pipeline_from_dict(base, [f"{key}={value}"],
                                            source=f"tune.search_space.{key}={value}")
-            check_pipeline(candidate)
+            check_pipeline(candidate, for_training=False)  # data and weights: checked once
 
 
 def worst_trial_spend(pipeline: Pipeline, plan) -> Spend:
