@@ -18,6 +18,7 @@ from raydp_train.privacy.budget import BudgetError
 from raydp_train.privacy.clipping import UnsupportedLayerError
 from raydp_train.privacy.ledger import LedgerError
 from raydp_train.privacy.lsg import LsgConfigError
+from raydp_train.quiet import quiet_third_party
 from raydp_train.resources import ResourceError
 
 # Problems with the user's input: printed as one clear message, never as a traceback.
@@ -35,6 +36,7 @@ EXIT_INTERRUPTED = 130
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    quiet_third_party(args.verbose)  # before transformers or Ray are imported
     try:
         status = args.command(args)
         sys.stdout.flush()  # here, so that a closed pipe is caught below, not at exit
@@ -50,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="raydp-train", description="Differentially private training pipelines on Ray."
-    )
+        prog="raydp-train", description="Differentially private training pipelines on Ray.",
+        parents=[_verbose_option(default=False)])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    # Every command takes --verbose after its name too; SUPPRESS keeps one given before it.
+    verbose = _verbose_option(default=argparse.SUPPRESS)
     for name, handler, summary in (
         ("validate", validate, "check a pipeline and print what it will spend, without training"),
         ("run", run, "train a pipeline on Ray Train and write its run record"),
@@ -61,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         ("audit", audit_command, ("measure a lower bound on the epsilon of the pipeline's DP-SGD "
          "with canary runs in this process (no Ray; spends no budget)")),
     ):
-        command = commands.add_parser(name, help=summary, description=summary)
+        command = commands.add_parser(name, help=summary, description=summary,
+                                      parents=[verbose])
         command.add_argument("pipeline", metavar="PIPELINE", help="pipeline YAML file")
         command.add_argument(
             "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -84,18 +89,19 @@ def _parser() -> argparse.ArgumentParser:
                                  "(default 100)")
             command.add_argument("--json", action="store_true", help="print JSON instead of text")
     report_command = commands.add_parser(
-        "report", help="print a run's metrics and privacy statement, and plot them"
-    )
+        "report", help="print a run's metrics and privacy statement, and plot them",
+        parents=[verbose])
     report_command.add_argument("run_dir", metavar="RUN_DIR")
     report_command.set_defaults(command=report)
     budget_command = commands.add_parser(
-        "budget", help="show a global privacy budget from its ledger (no Ray needed)")
+        "budget", help="show a global privacy budget from its ledger (no Ray needed)",
+        parents=[verbose])
     views = budget_command.add_subparsers(required=True, metavar="VIEW")
     for name, handler, summary in (
         ("status", budget_status, "epsilon counted and remaining, steps per owner"),
         ("history", budget_history, "every ledger row: opened, reserved, settled"),
     ):
-        view = views.add_parser(name, help=summary, description=summary)
+        view = views.add_parser(name, help=summary, description=summary, parents=[verbose])
         view.add_argument("name", metavar="NAME", help="budget name (budget.name)")
         view.add_argument("--ledger", required=True, metavar="PATH_OR_URI",
                           help="the budget's ledger (budget.ledger), e.g. budgets or s3://b/l")
@@ -104,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     reset = views.add_parser(
         "reset", help="stop counting a budget's settled spending (needs --force; appends a row)",
         description=("Append a reset row to the budget's ledger: spending settled before it no "
-                     "longer counts, open reservations still do, and the history is kept."))
+                     "longer counts, open reservations still do, and the history is kept."),
+        parents=[verbose])
     reset.add_argument("name", metavar="NAME", help="budget name (budget.name)")
     reset.add_argument("--ledger", required=True, metavar="PATH_OR_URI", help="the budget's ledger")
     reset.add_argument("--force", action="store_true", help="really reset (required)")
@@ -114,6 +121,14 @@ def _parser() -> argparse.ArgumentParser:
                             "unset: an embedded local Ray)")
     reset.set_defaults(command=budget_reset)
     return parser
+
+
+def _verbose_option(default) -> argparse.ArgumentParser:
+    option = argparse.ArgumentParser(add_help=False)
+    option.add_argument("--verbose", action="store_true", default=default,
+                        help="show the output of Ray, transformers and other libraries "
+                             "(progress bars, load reports, their warnings)")
+    return option
 
 
 def _prepare(args):
@@ -129,7 +144,8 @@ def _prepare(args):
     if for_training:
         from raydp_train.resources import connect
 
-        connect(args.address, pipeline.training, max(4, pipeline.training.workers + 2))
+        connect(args.address, pipeline.training, max(4, pipeline.training.workers + 2),
+                args.verbose)
     dataset, plan = check_pipeline(pipeline, for_training)
     return pipeline, dataset, plan
 
@@ -219,7 +235,8 @@ def tune_command(args) -> int:
                                             "num_samples, ...); see README")])
     check_locations(pipeline, args.pipeline)
     cpus = max(4, pipeline.training.workers + 2)  # as `run`: workers, queue, controller
-    sweep = run_sweep(pipeline, connect=lambda: connect(args.address, pipeline.training, cpus))
+    sweep = run_sweep(pipeline, connect=lambda: connect(args.address, pipeline.training, cpus,
+                                                        args.verbose))
     return 0 if sweep is not None and sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 
 
@@ -286,7 +303,7 @@ def budget_reset(args) -> int:
     print(RESET_WARNING.format(name=args.name, epsilon=status["epsilon_counted"],
                                total=status["epsilon"]), file=sys.stderr, flush=True)
     check_address(args.address)
-    ensure_ray(args.address, num_cpus=1)
+    ensure_ray(args.address, num_cpus=1, verbose=args.verbose)
     note = f"reset by {getpass.getuser()}" + (f": {args.reason}" if args.reason else "")
     print(status_text(open_existing_budget(args.name, args.ledger).reset(note)))
     return 0

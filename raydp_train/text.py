@@ -9,7 +9,6 @@ The file's schema is checked with pyarrow first, so a wrong column fails before 
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -69,9 +68,8 @@ def tokenize_parquet(path: Path, text_column: str, tokenizer_path: str,
 
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # rows stay in file order
-    context.enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    tokenized = ray.data.read_parquet(str(path), columns=[text_column]).map_batches(
+    texts = ray.data.read_parquet(str(path)).select_columns([text_column])
+    tokenized = texts.map_batches(
         tokenize_batch, fn_kwargs={"tokenizer_path": tokenizer_path, "text_column": text_column,
                                    "max_length": max_length},
         batch_size=1024, batch_format="numpy")
