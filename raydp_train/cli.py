@@ -337,6 +337,8 @@ def report(args) -> int:
           f"({privacy['accountant'].upper()}), q={privacy['sampling_rate']:.4g}, "
           f"sigma={privacy['noise_multiplier']:.4g}, C={privacy['clip_norm']:g}, "
           f"{privacy['steps']} steps, {privacy['workers']} worker(s), noise {privacy['noise_mode']}")
+    if record.get("baselines"):
+        print(f"to beat: {_baselines_text(record['baselines'])}")
     for plot in write_plots(record, Path(args.run_dir)):
         print(f"wrote {plot}")
     return 0
@@ -344,16 +346,27 @@ def report(args) -> int:
 
 def _print_epoch(epochs: int):
     def show(row: dict) -> None:
+        validation = (f"val acc {row['validation_accuracy']:.4f}  "
+                      if "validation_accuracy" in row else "")
         print(f"epoch {row['epoch']:>3}/{epochs}  step {row['steps']:>6}  "
               f"train loss {row['train_loss']:.4f}  test acc {row['test_accuracy']:.4f}  "
-              f"epsilon {row['epsilon']:.3f}  ({row['elapsed_s']:.1f}s)", flush=True)
+              f"{validation}epsilon {row['epsilon']:.3f}  ({row['elapsed_s']:.1f}s)", flush=True)
     return show
+
+
+def _baselines_text(baselines: dict) -> str:
+    return (f"chance {baselines['chance']:.4f}, the test split's majority class "
+            f"{baselines['test_majority_class']:.4f}")
 
 
 def _print_summary(result, privacy: dict, record) -> None:
     delta = privacy["delta"]
     if result.metrics:
-        print(f"\ntest accuracy           {result.metrics[-1]['test_accuracy']:.4f}")
+        last = result.metrics[-1]
+        print(f"\ntest accuracy           {last['test_accuracy']:.4f}")
+        print(f"  to beat               {_baselines_text(result.baselines)}")
+        if "validation_accuracy" in last:
+            print(f"validation accuracy     {last['validation_accuracy']:.4f}")
     print(f"trained per step        {result.trained_per_step:,} of "
           f"{result.model_parameters:,} parameters (= all-reduce size)")
     print(f"privacy spent           epsilon {privacy['epsilon']:.4f} at delta {delta:g} "

@@ -42,6 +42,14 @@ class Dataset:
     def feature_shape(self) -> tuple[int, ...]:
         return tuple(self.train_features.shape[1:])
 
+    def accuracy_baselines(self) -> dict[str, float]:
+        """What a test accuracy must beat: chance (1/K) and always answering the test split's
+        most common class. The latter reads only the held-out test labels, which every epoch
+        scores without noise anyway; no training row is looked at, so it costs no privacy."""
+        counts = torch.bincount(self.test_labels, minlength=self.num_classes)
+        return {"chance": 1 / self.num_classes,
+                "test_majority_class": counts.max().item() / max(len(self.test_labels), 1)}
+
 
 def load_data(config, num_classes: int | None = None, tokenizer: str | None = None,
               classes_field: str = "model.num_classes", tokenize: bool = True) -> Dataset:
