@@ -192,6 +192,19 @@ CASES = {
     "relative-validation-path-missing": Case(
         (numbers("numbers.parquet", validation={"path": "gone.parquet", "private": False}),),
         ("data.validation.path: parquet file not found: {cwd}/gone.parquet",)),
+    # labels
+    "labels-that-skip-a-class": Case((numbers("skipping_labels.parquet"),), (
+        "data: labels take the values [1, 2], so 3 classes would be inferred", "[0] never occur")),
+    "string-labels-without-label-names": Case((numbers("string_labels.parquet"),), (
+        "data.label_column: column 'label' in {data}/string_labels.parquet is string",
+        "(or give data.label_names)")),
+    "label-names-miss-a-label": Case(
+        (numbers("string_labels.parquet", label_names=["neg", "other"]),),
+        ("data.label_names: labels ['pos'] in column 'label' of {data}/string_labels.parquet",)),
+    "label-names-and-num-classes-differ": Case(
+        (numbers("string_labels.parquet", label_names=["neg", "pos", "neutral"]),
+         setting("model", {"kind": "logistic", "num_classes": 2})),
+        ("model.num_classes: 2 classes, but data.label_names names 3",)),
     # --- models
     "cnn-on-tabular-data": Case((setting("model", {"kind": "cnn"}),),
                                 ("model.kind: 'cnn' needs image features",)),
@@ -237,6 +250,11 @@ CASES = {
          setting("tune", {"search_space": {"training.lr": {"choice": [-0.1, 0.1]}}})),
         ("tune.search_space.training.lr=-0.1", "training.lr: must be > 0, got -0.1"),
         command="tune"),
+    "tune-loguniform-from-zero": Case(
+        (setting("data.validation", {"fraction": 0.25, "private": False}),
+         setting("tune", {"search_space": {"training.lr": {"loguniform": [0, 0.1]}}})),
+        ("tune.search_space.training.lr.loguniform: must be [low, high] with 0 < low < high",),
+        command="tune"),
     "tune-param-group-that-does-not-exist": Case(
         (setting("data.validation", {"fraction": 0.25, "private": False}),
          setting("tune", {"search_space": {"training.param_groups[0].lr": {"choice": [0.1]}}})),
@@ -259,6 +277,9 @@ def data(tmp_path_factory) -> Path:
     parquet("nan.parquet", x=np.where(labels == 1, np.nan, rows), y=rows, label=labels)
     parquet("inf.parquet", x=rows, y=np.where(labels == 1, np.inf, rows), label=labels)
     parquet("three_labels.parquet", x=rows, y=rows, label=np.arange(40) % 3)
+    parquet("skipping_labels.parquet", x=rows, y=rows, label=labels + 1)
+    parquet("string_labels.parquet", x=rows, y=rows,
+            label=np.where(labels == 1, "pos", "neg").tolist())
     parquet("float_labels.parquet", x=rows, y=rows, label=labels.astype(float))
     parquet("empty.parquet", x=pa.array([], pa.float64()), y=pa.array([], pa.float64()),
             label=pa.array([], pa.int64()))
