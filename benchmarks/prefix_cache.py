@@ -180,7 +180,7 @@ def main() -> None:
                         help="interleaved single steps per variant")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    os.chdir(ROOT)  # the pipeline's data paths are relative to the repository
+    os.chdir(ROOT)  # PIPELINE is named relative to the repository
     torch.set_num_threads(2)
     pipelines = {cache: load_pipeline(PIPELINE, [
         f"training.epochs={args.epochs}", "data.validation=null", "run.seed=0",

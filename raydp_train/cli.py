@@ -18,6 +18,7 @@ from raydp_train.privacy.budget import BudgetError
 from raydp_train.privacy.clipping import UnsupportedLayerError
 from raydp_train.privacy.ledger import LedgerError
 from raydp_train.privacy.lsg import LsgConfigError
+from raydp_train.quiet import quiet_third_party
 from raydp_train.resources import ResourceError
 
 # Problems with the user's input: printed as one clear message, never as a traceback.
@@ -35,6 +36,7 @@ EXIT_INTERRUPTED = 130
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    quiet_third_party(args.verbose)  # before transformers or Ray are imported
     try:
         status = args.command(args)
         sys.stdout.flush()  # here, so that a closed pipe is caught below, not at exit
@@ -50,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="raydp-train", description="Differentially private training pipelines on Ray."
-    )
+        prog="raydp-train", description="Differentially private training pipelines on Ray.",
+        parents=[_verbose_option(default=False)])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    # Every command takes --verbose after its name too; SUPPRESS keeps one given before it.
+    verbose = _verbose_option(default=argparse.SUPPRESS)
     for name, handler, summary in (
         ("validate", validate, "check a pipeline and print what it will spend, without training"),
         ("run", run, "train a pipeline on Ray Train and write its run record"),
@@ -61,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         ("audit", audit_command, ("measure a lower bound on the epsilon of the pipeline's DP-SGD "
          "with canary runs in this process (no Ray; spends no budget)")),
     ):
-        command = commands.add_parser(name, help=summary, description=summary)
+        command = commands.add_parser(name, help=summary, description=summary,
+                                      parents=[verbose])
         command.add_argument("pipeline", metavar="PIPELINE", help="pipeline YAML file")
         command.add_argument(
             "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -84,18 +89,19 @@ def _parser() -> argparse.ArgumentParser:
                                  "(default 100)")
             command.add_argument("--json", action="store_true", help="print JSON instead of text")
     report_command = commands.add_parser(
-        "report", help="print a run's metrics and privacy statement, and plot them"
-    )
+        "report", help="print a run's metrics and privacy statement, and plot them",
+        parents=[verbose])
     report_command.add_argument("run_dir", metavar="RUN_DIR")
     report_command.set_defaults(command=report)
     budget_command = commands.add_parser(
-        "budget", help="show a global privacy budget from its ledger (no Ray needed)")
+        "budget", help="show a global privacy budget from its ledger (no Ray needed)",
+        parents=[verbose])
     views = budget_command.add_subparsers(required=True, metavar="VIEW")
     for name, handler, summary in (
         ("status", budget_status, "epsilon counted and remaining, steps per owner"),
         ("history", budget_history, "every ledger row: opened, reserved, settled"),
     ):
-        view = views.add_parser(name, help=summary, description=summary)
+        view = views.add_parser(name, help=summary, description=summary, parents=[verbose])
         view.add_argument("name", metavar="NAME", help="budget name (budget.name)")
         view.add_argument("--ledger", required=True, metavar="PATH_OR_URI",
                           help="the budget's ledger (budget.ledger), e.g. budgets or s3://b/l")
@@ -104,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     reset = views.add_parser(
         "reset", help="stop counting a budget's settled spending (needs --force; appends a row)",
         description=("Append a reset row to the budget's ledger: spending settled before it no "
-                     "longer counts, open reservations still do, and the history is kept."))
+                     "longer counts, open reservations still do, and the history is kept."),
+        parents=[verbose])
     reset.add_argument("name", metavar="NAME", help="budget name (budget.name)")
     reset.add_argument("--ledger", required=True, metavar="PATH_OR_URI", help="the budget's ledger")
     reset.add_argument("--force", action="store_true", help="really reset (required)")
@@ -116,24 +123,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _verbose_option(default) -> argparse.ArgumentParser:
+    option = argparse.ArgumentParser(add_help=False)
+    option.add_argument("--verbose", action="store_true", default=default,
+                        help="show the output of Ray, transformers and other libraries "
+                             "(progress bars, load reports, their warnings)")
+    return option
+
+
 def _prepare(args):
-    """Load and check everything before any privacy is spent (see preflight). Text data is
-    tokenized by Ray Data, so Ray starts (or is joined) first."""
+    """Load and check everything before any privacy is spent (see preflight). `run` tokenizes
+    text with Ray Data, so Ray starts (or is joined) first; `validate` starts no Ray and reads
+    no model weights: it checks the pipeline, not this machine."""
     from raydp_train.locations import check_locations
     from raydp_train.preflight import check_pipeline
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
     check_locations(pipeline, args.pipeline)
-    num_cpus = max(4, pipeline.training.workers + 2)
-    if args.command is not validate:
+    for_training = args.command is not validate
+    if for_training:
         from raydp_train.resources import connect
 
-        connect(args.address, pipeline.training, num_cpus)
-    elif getattr(pipeline.data, "text_column", None) is not None:
-        from raydp_train.train.trainer import ensure_ray
-
-        ensure_ray(None, num_cpus)  # validate checks the pipeline, not this machine's GPUs
-    dataset, plan = check_pipeline(pipeline)
+        connect(args.address, pipeline.training, max(4, pipeline.training.workers + 2),
+                args.verbose)
+    dataset, plan = check_pipeline(pipeline, for_training)
     return pipeline, dataset, plan
 
 
@@ -222,7 +235,8 @@ def tune_command(args) -> int:
                                             "num_samples, ...); see README")])
     check_locations(pipeline, args.pipeline)
     cpus = max(4, pipeline.training.workers + 2)  # as `run`: workers, queue, controller
-    sweep = run_sweep(pipeline, connect=lambda: connect(args.address, pipeline.training, cpus))
+    sweep = run_sweep(pipeline, connect=lambda: connect(args.address, pipeline.training, cpus,
+                                                        args.verbose))
     return 0 if sweep is not None and sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 
 
@@ -289,7 +303,7 @@ def budget_reset(args) -> int:
     print(RESET_WARNING.format(name=args.name, epsilon=status["epsilon_counted"],
                                total=status["epsilon"]), file=sys.stderr, flush=True)
     check_address(args.address)
-    ensure_ray(args.address, num_cpus=1)
+    ensure_ray(args.address, num_cpus=1, verbose=args.verbose)
     note = f"reset by {getpass.getuser()}" + (f": {args.reason}" if args.reason else "")
     print(status_text(open_existing_budget(args.name, args.ledger).reset(note)))
     return 0
@@ -323,6 +337,8 @@ def report(args) -> int:
           f"({privacy['accountant'].upper()}), q={privacy['sampling_rate']:.4g}, "
           f"sigma={privacy['noise_multiplier']:.4g}, C={privacy['clip_norm']:g}, "
           f"{privacy['steps']} steps, {privacy['workers']} worker(s), noise {privacy['noise_mode']}")
+    if record.get("baselines"):
+        print(f"to beat: {_baselines_text(record['baselines'])}")
     for plot in write_plots(record, Path(args.run_dir)):
         print(f"wrote {plot}")
     return 0
@@ -330,16 +346,27 @@ def report(args) -> int:
 
 def _print_epoch(epochs: int):
     def show(row: dict) -> None:
+        validation = (f"val acc {row['validation_accuracy']:.4f}  "
+                      if "validation_accuracy" in row else "")
         print(f"epoch {row['epoch']:>3}/{epochs}  step {row['steps']:>6}  "
               f"train loss {row['train_loss']:.4f}  test acc {row['test_accuracy']:.4f}  "
-              f"epsilon {row['epsilon']:.3f}  ({row['elapsed_s']:.1f}s)", flush=True)
+              f"{validation}epsilon {row['epsilon']:.3f}  ({row['elapsed_s']:.1f}s)", flush=True)
     return show
+
+
+def _baselines_text(baselines: dict) -> str:
+    return (f"chance {baselines['chance']:.4f}, the test split's majority class "
+            f"{baselines['test_majority_class']:.4f}")
 
 
 def _print_summary(result, privacy: dict, record) -> None:
     delta = privacy["delta"]
     if result.metrics:
-        print(f"\ntest accuracy           {result.metrics[-1]['test_accuracy']:.4f}")
+        last = result.metrics[-1]
+        print(f"\ntest accuracy           {last['test_accuracy']:.4f}")
+        print(f"  to beat               {_baselines_text(result.baselines)}")
+        if "validation_accuracy" in last:
+            print(f"validation accuracy     {last['validation_accuracy']:.4f}")
     print(f"trained per step        {result.trained_per_step:,} of "
           f"{result.model_parameters:,} parameters (= all-reduce size)")
     print(f"privacy spent           epsilon {privacy['epsilon']:.4f} at delta {delta:g} "

@@ -42,16 +42,26 @@ class Dataset:
     def feature_shape(self) -> tuple[int, ...]:
         return tuple(self.train_features.shape[1:])
 
+    def accuracy_baselines(self) -> dict[str, float]:
+        """What a test accuracy must beat: chance (1/K) and always answering the test split's
+        most common class. The latter reads only the held-out test labels, which every epoch
+        scores without noise anyway; no training row is looked at, so it costs no privacy."""
+        counts = torch.bincount(self.test_labels, minlength=self.num_classes)
+        return {"chance": 1 / self.num_classes,
+                "test_majority_class": counts.max().item() / max(len(self.test_labels), 1)}
+
 
 def load_data(config, num_classes: int | None = None, tokenizer: str | None = None,
-              classes_field: str = "model.num_classes") -> Dataset:
+              classes_field: str = "model.num_classes", tokenize: bool = True) -> Dataset:
     """Load `config` (a pipeline `data` section) and check the labels against `num_classes`
     (the field `classes_field` of the model section).
 
-    Text columns are tokenized with the tokenizer at `tokenizer` (a folder or hub name).
+    Text columns are tokenized with the tokenizer at `tokenizer` (a folder or hub name), by Ray
+    Data. `tokenize=False` (validate) checks the text files and labels without tokenizing, so
+    without Ray: the token tensors are then zeros of the right shape, for checks, not training.
     """
     loaders = {"synthetic": _synthetic, "sklearn_digits": _digits, "parquet": _parquet}
-    reader = _Reader(config, tokenizer)
+    reader = _Reader(config, tokenizer, tokenize)
     features, labels, test_features, test_labels = loaders[config.source](config, reader)
     validation = _validation_file(config, reader)
     splits = [("training", labels), ("test", test_labels)]
@@ -109,8 +119,8 @@ def _features(values: np.ndarray) -> Tensor:
 class _Reader:
     """Reads one parquet file of the pipeline's layout: numeric, tensor or text features."""
 
-    def __init__(self, config, tokenizer: str | None):
-        self.config, self.tokenizer = config, tokenizer
+    def __init__(self, config, tokenizer: str | None, tokenize: bool):
+        self.config, self.tokenizer, self.tokenize = config, tokenizer, tokenize
 
     def read(self, path: Path, field: str) -> tuple[np.ndarray, np.ndarray]:
         config = self.config
@@ -122,8 +132,10 @@ class _Reader:
         if self.tokenizer is None:
             raise DataError("data.text_column: text needs a tokenizer: use model.kind hf with "
                             "model.name_or_path")
-        labels = _labels(pq.read_table(path, columns=[config.label_column])
+        labels = _labels(pq.ParquetFile(path).read(columns=[config.label_column])
                          .column(config.label_column), path, config)
+        if not self.tokenize:
+            return np.zeros((len(labels), 2, config.max_length), np.int64), labels
         tokens = tokenize_parquet(path, config.text_column, self.tokenizer, config.max_length)
         return tokens, labels
 
@@ -216,7 +228,7 @@ def _read_parquet(path: Path, config, field: str) -> tuple[np.ndarray, np.ndarra
         raise DataError(
             f"{field}: column(s) {missing} not in {path}; available: {', '.join(schema.names)}"
         )
-    table = pq.read_table(path, columns=[*columns, config.label_column])
+    table = pq.ParquetFile(path).read(columns=[*columns, config.label_column])
     if table.num_rows == 0:
         raise DataError(f"{field}: {path} has no rows")
     labels = _labels(table.column(config.label_column), path, config)

@@ -76,23 +76,14 @@ class SequenceClassifier(nn.Module):
         return torch.cumsum(not_padding, dim=1) * not_padding + self.padding_idx
 
 
-def build_hf_model(config, num_labels: int) -> SequenceClassifier:
+def build_hf_model(config, num_labels: int, load_weights: bool = True) -> SequenceClassifier:
     """The classifier of `config` (a pipeline `model` section of kind hf), trainable as asked,
-    with the pooling and head initialization of `model.pooling` / `model.head_init`."""
-    import transformers
+    with the pooling and head initialization of `model.pooling` / `model.head_init`.
 
-    if config.config is not None:  # random initialization, e.g. tiny models in tests
-        hf_config = transformers.AutoConfig.for_model(**{**config.config, "num_labels": num_labels})
-        model = transformers.AutoModelForSequenceClassification.from_config(hf_config)
-        folder = None
-    else:
-        path = resolve_name_or_path(config.name_or_path)
-        try:
-            model = transformers.AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=num_labels)
-        except (OSError, ValueError) as error:
-            raise HFModelError(f"model.name_or_path: cannot load {path!r}: {error}") from error
-        folder = path
+    `load_weights=False` (validate) builds the same modules on the meta device from the
+    checkpoint's config alone: names, shapes and layer types, no weights read or allocated."""
+    folder = None if config.config is not None else resolve_name_or_path(config.name_or_path)
+    model = _transformers_model(config, folder, num_labels, load_weights)
     if model.config.pad_token_id is None:  # GPT-2 needs it to find each example's last token
         model.config.pad_token_id = 0
     pooling, normalize = resolve_pooling(config, folder)
@@ -104,6 +95,31 @@ def build_hf_model(config, num_labels: int) -> SequenceClassifier:
     _set_trainable(model, config.trainable, unused)
     pooling_head = MeanPoolingHead(head, normalize) if pooling == "mean" else None
     return SequenceClassifier(model, pooling_head)
+
+
+def _transformers_model(config, folder: str | None, num_labels: int, load_weights: bool):
+    """Random from `model.config`, pretrained from `folder`, or without weights on the meta
+    device (from the checkpoint's config.json)."""
+    import transformers
+
+    classifier = transformers.AutoModelForSequenceClassification
+    if config.config is not None:  # random initialization, e.g. tiny models in tests
+        hf_config = transformers.AutoConfig.for_model(**{**config.config, "num_labels": num_labels})
+    elif load_weights:
+        try:
+            return classifier.from_pretrained(folder, num_labels=num_labels)
+        except (OSError, ValueError) as error:
+            raise HFModelError(f"model.name_or_path: cannot load {folder!r}: {error}") from error
+    else:
+        try:
+            hf_config = transformers.AutoConfig.from_pretrained(folder, num_labels=num_labels)
+        except (OSError, ValueError) as error:
+            raise HFModelError(f"model.name_or_path: cannot read the config of {folder!r}: "
+                               f"{error}") from error
+    if load_weights:
+        return classifier.from_config(hf_config)
+    with torch.device("meta"):
+        return classifier.from_config(hf_config)
 
 
 def load_tokenizer(config):

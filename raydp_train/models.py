@@ -13,15 +13,17 @@ class ModelError(ValueError):
     """The model section does not fit the data; the message names the field."""
 
 
-def build_model(config, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """Every layer is one the per-example clipping engine supports (no BatchNorm)."""
+def build_model(config, feature_shape: tuple[int, ...], num_classes: int,
+                load_weights: bool = True) -> nn.Module:
+    """Every layer is one the per-example clipping engine supports (no BatchNorm).
+    `load_weights=False`: a pretrained hf model's modules without its weights (validate)."""
     if config.kind == "hf":
         from raydp_train.hf import build_hf_model
 
         if len(feature_shape) != 2 or feature_shape[0] != 2:
             raise ModelError("model.kind: 'hf' needs text data (data.text_column), got "
                              f"features of shape {list(feature_shape)}")
-        return build_hf_model(config, num_classes)
+        return build_hf_model(config, num_classes, load_weights)
     if config.kind == "logistic":
         return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(feature_shape), num_classes))
     if config.kind == "mlp":

@@ -22,6 +22,7 @@ from pydantic import (
 
 from raydp_train.config_base import SafeName, Section, exactly_one
 from raydp_train.config_errors import FieldProblem, PipelineError, describe, show, yaml_problem
+from raydp_train.config_paths import resolve_relative_paths
 from raydp_train.config_training import ParamGroup, TrainingConfig
 from raydp_train.sweep_config import BudgetConfig, TuneConfig
 
@@ -311,7 +312,8 @@ def _check_tune(p: Pipeline) -> None:
 
 
 def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> Pipeline:
-    """Read, override and validate a pipeline YAML file."""
+    """Read, override and validate a pipeline YAML file. Its relative input paths resolve
+    against its folder, those of `overrides` against the current directory (config_paths)."""
     source = str(path)
     try:
         text = Path(path).read_text()
@@ -323,16 +325,20 @@ def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> Pipeline:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise PipelineError(source, [yaml_problem(e)]) from None
+    if isinstance(raw, dict):
+        resolve_relative_paths(raw, Path(path).absolute().parent)
     return pipeline_from_dict(raw, overrides, source)
 
 
 def pipeline_from_dict(raw: dict, overrides: Sequence[str] = (), source: str = "<dict>") -> Pipeline:
-    """Validate an already-parsed config, after applying `--set` overrides."""
+    """Validate an already-parsed config, after applying `--set` overrides; input paths still
+    relative (from the overrides, or a dict built in code) resolve against the current
+    directory, so every message and record names the absolute path."""
     if not isinstance(raw, dict):
         sections = ", ".join(Pipeline.model_fields)
         problem = f"top level must be a mapping with sections {sections}; got {show(raw)}"
         raise PipelineError(source, [problem])
-    raw = apply_overrides(raw, overrides, source=source)
+    raw = resolve_relative_paths(apply_overrides(raw, overrides, source=source), Path.cwd())
     try:
         return Pipeline.model_validate(raw)
     except ValidationError as e:

@@ -17,14 +17,18 @@ from raydp_train.privacy.lsg import LowRankSparseGradients
 from raydp_train.train.optim import make_optimizer, make_schedule
 
 
-def check_pipeline(pipeline: Pipeline) -> tuple[Dataset, PrivacyPlan]:
+def check_pipeline(pipeline: Pipeline, for_training: bool = True) -> tuple[Dataset, PrivacyPlan]:
+    """The data and the plan, once every check passed. `for_training=False` (validate) makes
+    the same checks on names, shapes and types only: text is not tokenized (so Ray is not
+    started) and a pretrained model is built on the meta device, its weights never read."""
     tokenizer = tokenizer_source(pipeline.model)
     if tokenizer is not None and getattr(pipeline.data, "text_column", None) is not None:
         from raydp_train.hf import load_tokenizer
 
         load_tokenizer(pipeline.model)  # a bad name_or_path fails here, not inside Ray Data
     classes_field = "model.num_labels" if pipeline.model.kind == "hf" else "model.num_classes"
-    dataset = load_data(pipeline.data, pipeline.model.num_classes, tokenizer, classes_field)
+    dataset = load_data(pipeline.data, pipeline.model.num_classes, tokenizer, classes_field,
+                        tokenize=for_training)
     # make_plan allows q = 1 (tests use it for an exact full-batch step); a pipeline may not.
     if pipeline.training.batch_size >= dataset.num_train:
         raise PlanError(
@@ -32,7 +36,8 @@ def check_pipeline(pipeline: Pipeline) -> tuple[Dataset, PrivacyPlan]:
             "batch_size / N must be < 1: at q = 1 every step takes every example, with no "
             f"amplification by sampling), got {pipeline.training.batch_size}")
     plan = make_plan(pipeline, dataset.num_train)
-    model = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes)
+    model = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes,
+                        load_weights=for_training)
     rules = None
     if pipeline.privacy.mechanism == "lsg":
         rules = LowRankSparseGradients(model, pipeline.privacy.lsg, torch.Generator()).rules

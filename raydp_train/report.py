@@ -105,6 +105,7 @@ def write_run_record(
         "privacy": privacy,
         "training": training_statement(pipeline, result),
         "written_to": locations_statement(run_dir, pipeline),
+        "baselines": result.baselines,  # accuracies to beat: chance, the test majority class
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         # Which engine produced the run: CHANGELOG.md says which versions to distrust for what.
         "raydp_train_version": raydp_train_version(),
@@ -146,35 +147,21 @@ def read_record(run_dir: Path) -> dict:
 
 def metrics_table(record: dict) -> str:
     columns = ["epoch", "steps", "steps_charged", "train_loss", "test_accuracy", "epsilon"]
-    lines = ["  ".join(f"{c:>13}" for c in columns)]
+    if any("validation_accuracy" in row for row in record["metrics"]):
+        columns.insert(5, "validation_accuracy")
+    widths = [max(13, len(c)) for c in columns]
+    lines = ["  ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))]
     for row in record["metrics"]:
-        lines.append("  ".join(_cell(row[c]) for c in columns))
+        lines.append("  ".join(_cell(row.get(c, ""), w) for c, w in zip(columns, widths,
+                                                                         strict=True)))
     return "\n".join(lines)
 
 
-def _cell(value) -> str:
-    return f"{value:>13.4f}" if isinstance(value, float) else f"{value:>13}"
+def _cell(value, width: int) -> str:
+    return f"{value:>{width}.4f}" if isinstance(value, float) else f"{value:>{width}}"
 
 
 def write_plots(record: dict, run_dir: Path) -> list[Path]:
-    import matplotlib
+    from raydp_train.plots import run_figures, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics, privacy = record["metrics"], record["privacy"]
-    plots = []
-    for name, x, y, xlabel, ylabel in (
-        ("epsilon_vs_steps.png", "steps_charged", "epsilon", "steps charged", "epsilon"),
-        ("accuracy_vs_epoch.png", "epoch", "test_accuracy", "epoch", "test accuracy"),
-    ):
-        figure, axes = plt.subplots(figsize=(6, 4))
-        axes.plot([r[x] for r in metrics], [r[y] for r in metrics], marker="o")
-        axes.set(xlabel=xlabel, ylabel=ylabel, title=f"{record['pipeline']['name']}: {ylabel} "
-                 f"(delta={privacy['delta']:g}, {privacy['accountant'].upper()})")
-        axes.grid(alpha=0.3)
-        figure.tight_layout()
-        figure.savefig(run_dir / name, dpi=100)
-        plt.close(figure)
-        plots.append(run_dir / name)
-    return plots
+    return [save(figure, Path(run_dir) / name) for name, figure in run_figures(record).items()]

@@ -73,12 +73,12 @@ def check_cluster(training) -> None:
             f"{available.get('CPU', 0):g}; lower training.workers or add nodes")
 
 
-def connect(address: str | None, training, num_cpus: int) -> None:
+def connect(address: str | None, training, num_cpus: int, verbose: bool = False) -> None:
     """Join (or start) Ray for a pipeline, after and then before the checks that can fail."""
     from raydp_train.train.trainer import ensure_ray
 
     check_address(address)
     if not address:
         check_local_gpu(training)
-    ensure_ray(address, num_cpus=num_cpus)
+    ensure_ray(address, num_cpus=num_cpus, verbose=verbose)
     check_cluster(training)

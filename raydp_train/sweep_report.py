@@ -4,10 +4,11 @@ the privacy statement of the whole sweep."""
 from __future__ import annotations
 
 import json
-import math
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from raydp_train.plots import privacy_utility_figure, save
 
 
 def write_sweep_outputs(sweep, pipeline, on_line) -> None:
@@ -18,8 +19,9 @@ def write_sweep_outputs(sweep, pipeline, on_line) -> None:
         {"directory": str(directory), "trials": sweep.trials, "best": sweep.best,
          "privacy": sweep.privacy}, indent=2,
         default=str))
-    plot = write_privacy_utility_plot(sweep.trials, config.metric, directory / "privacy_utility.png",
-                                      pipeline.name)
+    figure = privacy_utility_figure(sweep.trials, config.metric, pipeline.name, sweep.best,
+                                    sweep.privacy, 1 / sweep.num_classes)
+    plot = save(figure, directory / "privacy_utility.png")
     on_line(results_table(sweep.trials, list(config.search_space), config.metric))
     if sweep.best is not None:
         chosen = ", ".join(f"{k}={sweep.best[k]:.6g}" for k in config.search_space)
@@ -52,27 +54,3 @@ def privacy_text(privacy: dict) -> str:
             f"{privacy['delta']:g} ({privacy['accountant'].upper()}, {how})\n"
             f"budget '{privacy['budget']}': epsilon {privacy['budget_epsilon_counted']:.4f} of "
             f"{privacy['budget_epsilon']:g} counted in all (ledger {privacy.get('ledger')})")
-
-
-def write_privacy_utility_plot(trials: list[dict], metric: str, path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for stop, marker in (("completed", "o"), ("budget exhausted", "x"),
-                         ("stopped by scheduler", "s")):
-        points = [(t["epsilon"], t[metric]) for t in trials if t["stop_reason"] == stop
-                  and not math.isnan(t[metric])]
-        if points:
-            axes.scatter(*zip(*points, strict=True), marker=marker, label=stop)
-    axes.set(xlabel="epsilon spent by the trial", ylabel=metric,
-             title=f"{title}: {metric} vs privacy, one point per trial")
-    axes.grid(alpha=0.3)
-    if axes.get_legend_handles_labels()[0]:
-        axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path

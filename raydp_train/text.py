@@ -9,7 +9,6 @@ The file's schema is checked with pyarrow first, so a wrong column fails before 
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +41,8 @@ def check_text_file(path: Path, text_column: str, label_column: str, field: str)
     if not path.is_file():
         raise DataError(f"{field}: parquet file not found: {path}")
     try:
-        schema = pq.read_schema(path)
-        rows = pq.read_metadata(path).num_rows
+        parquet = pq.ParquetFile(path)  # the footer, read once: schema and row count
+        schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(f"{field}: cannot read {path} as parquet: {error}") from error
     missing = [c for c in (text_column, label_column) if c not in schema.names]
@@ -56,7 +55,7 @@ def check_text_file(path: Path, text_column: str, label_column: str, field: str)
                         "expected strings")
     if rows == 0:
         raise DataError(f"{field}: {path} has no rows")
-    nulls = pq.read_table(path, columns=[text_column]).column(text_column).null_count
+    nulls = parquet.read(columns=[text_column]).column(text_column).null_count
     if nulls:
         raise DataError(f"data.text_column: '{text_column}' in {path} has {nulls} null rows")
     return rows
@@ -69,9 +68,8 @@ def tokenize_parquet(path: Path, text_column: str, tokenizer_path: str,
 
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # rows stay in file order
-    context.enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    tokenized = ray.data.read_parquet(str(path), columns=[text_column]).map_batches(
+    texts = ray.data.read_parquet(str(path)).select_columns([text_column])
+    tokenized = texts.map_batches(
         tokenize_batch, fn_kwargs={"tokenizer_path": tokenizer_path, "text_column": text_column,
                                    "max_length": max_length},
         batch_size=1024, batch_format="numpy")

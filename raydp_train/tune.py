@@ -47,6 +47,7 @@ class SweepResult:
     trials: list[dict]  # one row per trial: parameters, epsilon, metrics, stop reason
     best: dict | None
     privacy: dict
+    num_classes: int  # for the chance line of the plot
 
     @property
     def finished_trials(self) -> int:
@@ -63,7 +64,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our own progress lines, not Tune's
     config = pipeline.tune
     connect()  # first: text data is tokenized by Ray Data
-    _, plan = check_pipeline(pipeline)
+    dataset, plan = check_pipeline(pipeline)
     _check_search_space(pipeline)
     refusal = first_refusal(pipeline, plan)
     if refusal:  # a spent budget: no trial, no sweep directory, no best.yaml
@@ -85,7 +86,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
                        worst_case_noise_multiplier=spend.noise_multiplier)
         if not decision.granted:
             on_line(f"STOPPED before any trial: {decision.reason}")
-            return _finish(directory, pipeline, [], None, budget, sweep_id, privacy, on_line)
+            return _finish(directory, pipeline, [], None, budget, privacy, dataset, on_line)
         trial_budget = None  # the sweep's one reservation covers every trial
         on_line(f"random stopping: {num_samples} trial(s) drawn (mean "
                 f"{config.random_stopping.mean_trials:g}), reserved epsilon "
@@ -109,7 +110,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
         budget.settle(decision, spend.steps, spend.releases)
     trials = [_trial_row(result, config) for result in grid]
     best = _best(trials, config)
-    return _finish(directory, pipeline, trials, best, budget, sweep_id, privacy, on_line)
+    return _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line)
 
 
 def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -> None:
@@ -195,7 +196,7 @@ def _check_search_space(pipeline: Pipeline) -> None:
         for value in dimension.values():
             candidate = pipeline_from_dict(base, [f"{key}={value}"],
                                            source=f"tune.search_space.{key}={value}")
-            check_pipeline(candidate)
+            check_pipeline(candidate, for_training=False)  # data and weights: checked once
 
 
 def worst_trial_spend(pipeline: Pipeline, plan) -> Spend:
@@ -300,10 +301,10 @@ def _best(trials: list[dict], config) -> dict | None:
     return pick(scored, key=lambda t: t[config.metric])
 
 
-def _finish(directory, pipeline, trials, best, budget, sweep_id, privacy, on_line):
+def _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line):
     status = budget.status()
     privacy.update(
-        epsilon=budget.epsilon_of(sweep_id), delta=status["delta"],
+        epsilon=budget.epsilon_of(directory.name), delta=status["delta"],
         accountant=status["accountant"], budget_epsilon=status["epsilon"],
         budget_epsilon_counted=status["epsilon_counted"], trials=len(trials))
     if best is not None:
@@ -313,7 +314,7 @@ def _finish(directory, pipeline, trials, best, budget, sweep_id, privacy, on_lin
         (directory / "best.yaml").write_text(
             _best_yaml_header(directory, best, pipeline) + dump_pipeline(best_pipeline))
     shutil.rmtree(directory / MODELS, ignore_errors=True)
-    sweep = SweepResult(directory, trials, best, privacy)
+    sweep = SweepResult(directory, trials, best, privacy, dataset.num_classes)
     write_sweep_outputs(sweep, pipeline, on_line)
     return sweep
 

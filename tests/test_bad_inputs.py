@@ -6,6 +6,7 @@ ledger lives under the test's tmp_path, then reads that ledger back.
 """
 
 import json
+import os
 import re
 import socket
 from pathlib import Path
@@ -64,11 +65,13 @@ def hf(name_or_path: str = MINILM, config: dict | None = TINY_BERT) -> str:
 
 
 LSG = "privacy.mechanism=lsg"
+RELATIVE_PARQUET = "source: parquet\n  path: no_such/missing.parquet\n  feature_columns: [x, y]"
 MLP_8 = setting("model", {"kind": "mlp", "hidden_sizes": [8]})
 
 
 class Case(NamedTuple):
-    sets: tuple[str, ...]  # --set overrides; {data} is the folder of the files below
+    sets: tuple[str, ...]  # --set overrides; {data} is the folder of the files below,
+    # {tmp} the test's folder (where the pipeline file is), {cwd} the current directory
     expect: tuple[str, ...]  # in the message: the field, and the file or module at fault
     extra: tuple[str, ...] = ()  # more command-line arguments
     command: str = "run"
@@ -175,6 +178,33 @@ CASES = {
         "data.label_column: column 'label' in {data}/float_labels.parquet is double",)),
     "empty-dataset": Case((numbers("empty.parquet"),),
                           ("data.path: {data}/empty.parquet has no rows",)),
+    # a relative path in the pipeline file means a file beside it; one given with --set, a
+    # file in the current directory; either way the error shows the absolute path tried
+    "relative-path-in-the-file-missing": Case((), (
+        "data.path: parquet file not found: {tmp}/no_such/missing.parquet",),
+        corrupt=("source: synthetic\n  n_samples: 200", RELATIVE_PARQUET)),
+    "relative-path-in-the-file-missing-validate": Case((), (
+        "data.path: parquet file not found: {tmp}/no_such/missing.parquet",),
+        corrupt=("source: synthetic\n  n_samples: 200", RELATIVE_PARQUET), command="validate"),
+    "relative-path-given-with-set-missing": Case((numbers("numbers.parquet").replace(
+        "{data}/numbers.parquet", "no_such/missing.parquet"),), (
+        "data.path: parquet file not found: {cwd}/no_such/missing.parquet",)),
+    "relative-validation-path-missing": Case(
+        (numbers("numbers.parquet", validation={"path": "gone.parquet", "private": False}),),
+        ("data.validation.path: parquet file not found: {cwd}/gone.parquet",)),
+    # labels
+    "labels-that-skip-a-class": Case((numbers("skipping_labels.parquet"),), (
+        "data: labels take the values [1, 2], so 3 classes would be inferred", "[0] never occur")),
+    "string-labels-without-label-names": Case((numbers("string_labels.parquet"),), (
+        "data.label_column: column 'label' in {data}/string_labels.parquet is string",
+        "(or give data.label_names)")),
+    "label-names-miss-a-label": Case(
+        (numbers("string_labels.parquet", label_names=["neg", "other"]),),
+        ("data.label_names: labels ['pos'] in column 'label' of {data}/string_labels.parquet",)),
+    "label-names-and-num-classes-differ": Case(
+        (numbers("string_labels.parquet", label_names=["neg", "pos", "neutral"]),
+         setting("model", {"kind": "logistic", "num_classes": 2})),
+        ("model.num_classes: 2 classes, but data.label_names names 3",)),
     # --- models
     "cnn-on-tabular-data": Case((setting("model", {"kind": "cnn"}),),
                                 ("model.kind: 'cnn' needs image features",)),
@@ -220,6 +250,11 @@ CASES = {
          setting("tune", {"search_space": {"training.lr": {"choice": [-0.1, 0.1]}}})),
         ("tune.search_space.training.lr=-0.1", "training.lr: must be > 0, got -0.1"),
         command="tune"),
+    "tune-loguniform-from-zero": Case(
+        (setting("data.validation", {"fraction": 0.25, "private": False}),
+         setting("tune", {"search_space": {"training.lr": {"loguniform": [0, 0.1]}}})),
+        ("tune.search_space.training.lr.loguniform: must be [low, high] with 0 < low < high",),
+        command="tune"),
     "tune-param-group-that-does-not-exist": Case(
         (setting("data.validation", {"fraction": 0.25, "private": False}),
          setting("tune", {"search_space": {"training.param_groups[0].lr": {"choice": [0.1]}}})),
@@ -242,6 +277,9 @@ def data(tmp_path_factory) -> Path:
     parquet("nan.parquet", x=np.where(labels == 1, np.nan, rows), y=rows, label=labels)
     parquet("inf.parquet", x=rows, y=np.where(labels == 1, np.inf, rows), label=labels)
     parquet("three_labels.parquet", x=rows, y=rows, label=np.arange(40) % 3)
+    parquet("skipping_labels.parquet", x=rows, y=rows, label=labels + 1)
+    parquet("string_labels.parquet", x=rows, y=rows,
+            label=np.where(labels == 1, "pos", "neg").tolist())
     parquet("float_labels.parquet", x=rows, y=rows, label=labels.astype(float))
     parquet("empty.parquet", x=pa.array([], pa.float64()), y=pa.array([], pa.float64()),
             label=pa.array([], pa.int64()))
@@ -302,7 +340,7 @@ def test_bad_input_is_refused_before_any_reservation(case, data, ray_session, tm
                                                      closed_port):
     def fill(text: str) -> str:
         return (text.replace("{data}", str(data)).replace("{tmp}", str(tmp_path))
-                .replace("{port}", str(closed_port)))
+                .replace("{port}", str(closed_port)).replace("{cwd}", os.getcwd()))
 
     budget = budget_of(tmp_path)
     overrides = [x for s in case.sets for x in ("--set", fill(s))]

@@ -1,6 +1,7 @@
 """Data sources and model builders: shapes, parquet reading and the errors users see."""
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -123,7 +124,9 @@ def test_parquet_tensor_column_keeps_the_tensor_shape(tmp_path):
 @pytest.mark.parametrize(
     ("columns", "source", "message"),
     [
-        (None, {"path": "nowhere.parquet"}, "data.path: parquet file not found: nowhere.parquet"),
+        # a relative path in a dict (as from --set) names a file in the current directory
+        (None, {"path": "nowhere.parquet"},
+         f"data.path: parquet file not found: {Path('nowhere.parquet').resolve()}"),
         ({"a": [1.0], "label": [0]}, {"feature_columns": ["zz"]}, "column(s) ['zz'] not in"),
         ({"a": [1.0, float("nan")], "label": [0, 1]}, {}, "NaN or inf features in rows [1]"),
         ({"a": [1.0, 2.0], "label": [0.5, 1.0]}, {}, "data.label_column: column 'label'"),

@@ -132,8 +132,11 @@ def test_cli_run_on_ray_then_report(ray_session, tmp_path, capsys):
     assert main(["report", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "375 steps, 2 worker(s)" in out
-    assert (run_dir / "epsilon_vs_steps.png").stat().st_size > 1000
-    assert (run_dir / "accuracy_vs_epoch.png").stat().st_size > 1000
+    for plot in ("epsilon_vs_steps.png", "accuracy_vs_epoch.png", "accuracy_vs_epsilon.png"):
+        assert (run_dir / plot).stat().st_size > 1000
+    # the quickstart's 200 test rows: 100 of each class
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["baselines"] == {"chance": 0.5, "test_majority_class": 0.5}
 
 
 def test_interrupted_run_resumes_from_its_last_checkpoint(ray_session, tmp_path):

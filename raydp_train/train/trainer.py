@@ -17,6 +17,7 @@ from ray.util.queue import Empty, Queue
 from raydp_train.budget_actor import BudgetClient
 from raydp_train.pipeline import Pipeline, pipeline_from_dict
 from raydp_train.plan import PrivacyPlan
+from raydp_train.quiet import ray_logging_level
 from raydp_train.train.charges import ChargeLedger, RunAccount, epsilon_cap
 from raydp_train.train.context import RayTrainContext, clear_stop, request_stop, stop_requested
 from raydp_train.train.worker import TrainResult, train
@@ -33,19 +34,20 @@ class RunInterrupted(RuntimeError):
 TRAIN_SETTINGS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 
 
-def ensure_ray(address: str | None, num_cpus: int) -> None:
-    """Join the cluster at `address` if given, else start an embedded Ray of our own."""
+def ensure_ray(address: str | None, num_cpus: int, verbose: bool = False) -> None:
+    """Join the cluster at `address` if given, else start an embedded Ray of our own. Only
+    with `verbose` do Ray's own log lines and the workers' output reach this console."""
     if ray.is_initialized():
         return
+    output = {"log_to_driver": verbose, "logging_level": ray_logging_level(verbose)}
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, **output)
     else:
         # "local" always starts a new Ray: without it, ray.init joins any cluster that a
         # `ray start --head` on this machine recorded (and refuses num_cpus there).
         # Logical CPUs may exceed the machine's: workers, the progress queue and Ray's own
         # controller must all be schedulable on a 2-core laptop (DESIGN §5).
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                 log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **output)
 
 
 def fit(

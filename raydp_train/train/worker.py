@@ -44,6 +44,7 @@ class TrainResult:
     # std of the last step's reduced (noise + clipped) sum over its trained entries: about
     # sigma*C when the noise dominates; sqrt(W) times that if noise were added per worker.
     final_step_sum_std: float = float("nan")
+    baselines: dict = field(default_factory=dict)  # Dataset.accuracy_baselines()
 
 
 def _low_rank_sparse(pipeline, model: nn.Module, context) -> LowRankSparseGradients | None:
@@ -93,7 +94,8 @@ def train(
     std = noise_std(plan.noise_multiplier, plan.clip_norm) if rank == 0 else 0.0
     sampling_generator, _ = make_generator(None if seed is None else seed + 1 + rank)
 
-    result = TrainResult(model=model, noise_mode=noise_mode)
+    result = TrainResult(model=model, noise_mode=noise_mode,
+                         baselines=dataset.accuracy_baselines())
     step, first_epoch = 0, 1
     state = context.restore()
     if state is not None:
