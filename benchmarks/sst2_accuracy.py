@@ -118,13 +118,14 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int,
                         help="run only these of each variant's seeds (others keep their runs)")
     args = parser.parse_args()
-    runs = json.loads(RUNS_FILE.read_text()) if RUNS_FILE.exists() else {}
     for name in args.only:
         pipeline, overrides, seeds = VARIANTS[name]
         for seed in [s for s in seeds if args.seeds is None or s in args.seeds]:
             print(f"{name} seed {seed}: running", flush=True)
             result = run_once(pipeline, overrides, seed)
             print(f"{name} seed {seed}: {result}", flush=True)
+            # Read again: another benchmark process may have added runs meanwhile.
+            runs = json.loads(RUNS_FILE.read_text()) if RUNS_FILE.exists() else {}
             kept = [r for r in runs.get(name, []) if r["seed"] != seed and r["seed"] in seeds]
             runs[name] = sorted([*kept, result], key=lambda r: r["seed"])
             RUNS_FILE.write_text(json.dumps(runs, indent=1) + "\n")
