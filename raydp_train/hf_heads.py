@@ -1,4 +1,4 @@
-"""Sequence-classification heads that fit how a checkpoint was pretrained (DESIGN §6).
+"""Sequence-classification heads that fit how a checkpoint was pretrained (ARCHITECTURE.md §5).
 
 `model.pooling: cls` keeps the model's own head (BERT: the [CLS] token through the pooler;
 GPT-2: the last token). `mean` averages the last hidden states over the tokens the attention

@@ -59,7 +59,7 @@ TrainFraction = Annotated[float, Field(gt=0, lt=1)]
 
 
 class ValidationSplit(Section):
-    """Rows held out of the training set to select hyperparameters on (DESIGN §2.6)."""
+    """Rows held out of the training set to select hyperparameters on (ARCHITECTURE.md §2.5)."""
 
     fraction: float | None = Field(None, gt=0, lt=1)  # of the training rows, not trained on
     path: str | None = Field(None, min_length=1)  # OR a file of its own (source parquet)
@@ -222,7 +222,7 @@ ModelConfig = Annotated[
 
 
 class LsgConfig(Section):
-    """Low-rank and sparse gradients (DESIGN §2.4)."""
+    """Low-rank and sparse gradients (ARCHITECTURE.md §2.4)."""
 
     rank: int = Field(8, ge=1)  # r: carriers L (n x r), R (r x m)
     sparsity: float = Field(0.0, ge=0, lt=1)  # p: fraction of rows / columns frozen

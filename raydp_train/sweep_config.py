@@ -14,7 +14,8 @@ from raydp_train.config_errors import FieldProblem, show
 
 
 class BudgetConfig(Section):
-    """The global privacy budget every run and trial of this name spends from (DESIGN §2.6)."""
+    """The global privacy budget every run and trial of this name spends from
+    (ARCHITECTURE.md §2.6)."""
 
     name: SafeName
     epsilon: float = Field(gt=0)

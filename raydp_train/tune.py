@@ -3,7 +3,7 @@
 The driver checks every value the search space can produce, opens the budget's accountant
 (from the driver, so it outlives the trials), and runs the Tuner. Each trial runs the same
 training code as `raydp-train run`: in the trial process for one worker, or as a Ray Train run
-for several. The sweep's privacy (DESIGN §2.6):
+for several. The sweep's privacy (ARCHITECTURE.md §2.7):
 
 - `selection: composition` (default, valid for any adaptive search): every trial reserves its
   epochs from the budget; the sweep costs the composition of all of its trials' events.

@@ -39,7 +39,7 @@ def print_validation(pipeline: Pipeline, dataset, plan: PrivacyPlan) -> bool:
 
 
 def _sweep_spend(pipeline: Pipeline, plan: PrivacyPlan) -> Spend:
-    """Print and return what the whole search spends at most (DESIGN §2.6)."""
+    """Print and return what the whole search spends at most (ARCHITECTURE.md §2.7)."""
     from raydp_train.tune import random_stopping_spend, trial_count, trials_spend
 
     config = pipeline.tune

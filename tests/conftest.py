@@ -10,7 +10,7 @@ def ray_session():
     from raydp_train.train.trainer import ensure_ray
 
     # The embedded Ray of `raydp-train run`: 4 logical CPUs, so 2 workers, the progress
-    # queue and Ray Train's controller all schedule on 2 cores (DESIGN §5).
+    # queue and Ray Train's controller all schedule on 2 cores (ARCHITECTURE.md §4).
     ensure_ray(None, num_cpus=4)
     yield ray
     ray.shutdown()

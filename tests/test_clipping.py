@@ -59,7 +59,7 @@ def assert_matches_oracle(model, x, y, loss_fn, micro_batch=None):
     clip_norm = unclipped_norms.median().item()
     expected, expected_norms = naive_clipped_sum(model, x, y, loss_fn, clip_norm)
     got, norms = engine_clipped_sum(model, x, y, loss_fn, clip_norm, micro_batch)
-    # Error relative to the whole gradient's scale, not element-wise (DESIGN §2.3).
+    # Error relative to the whole gradient's scale, not element-wise (ARCHITECTURE.md §2.3).
     assert torch.linalg.norm(got - expected) / torch.linalg.norm(expected) < 1e-5
     torch.testing.assert_close(norms, expected_norms, rtol=1e-7, atol=1e-9)
 

@@ -1,4 +1,4 @@
-"""Privacy accounting for DP-SGD (DESIGN §2.5), done entirely by `dp-accounting`.
+"""Privacy accounting for DP-SGD (ARCHITECTURE.md §2.5), done entirely by `dp-accounting`.
 
 One DP-SGD step is ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))``; a run of ``T`` steps
 is that event self-composed ``T`` times. Two accountants are offered:

@@ -1,4 +1,4 @@
-"""The global privacy budget (DESIGN §2.6): one central accountant per budget name.
+"""The global privacy budget (ARCHITECTURE.md §2.6): one central accountant per budget name.
 
 `BudgetBook` is the bookkeeping, free of Ray: which reservations exist, what each counts, and
 whether one more fits. Everything counted (settled steps, plus open reservations in full) is

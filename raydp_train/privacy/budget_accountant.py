@@ -1,4 +1,4 @@
-"""The central accountant of one budget: a `BudgetBook` and its ledger (DESIGN §2.6).
+"""The central accountant of one budget: a `BudgetBook` and its ledger (ARCHITECTURE.md §2.6).
 
 Run as a Ray actor by `budget_actor` (one call at a time), it writes each change to the ledger
 BEFORE answering (write-ahead), and a restarted accountant rebuilds its book from the ledger

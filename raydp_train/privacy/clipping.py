@@ -1,4 +1,4 @@
-"""Per-example clipped gradient sum in one forward and one backward (DESIGN §2.3).
+"""Per-example clipped gradient sum in one forward and one backward (ARCHITECTURE.md §2.3).
 
     g~_i = g_i * min(1, C / ||g_i||)        ||g_i|| over ALL trainable parameters jointly
     sum  = sum_i g~_i                        written into each parameter's .grad

@@ -1,4 +1,4 @@
-"""Per-layer rules for the one-backward clipped sum (DESIGN §2.3).
+"""Per-layer rules for the one-backward clipped sum (ARCHITECTURE.md §2.3).
 
 A rule names the gradient slots of a module (`slot_shapes`: by default its trainable
 parameters) and turns what the hooks recorded -- the input of every call and the gradient of

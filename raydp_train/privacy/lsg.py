@@ -1,4 +1,5 @@
-"""LSG: low-rank and sparse gradients (Ito et al. 2022, on RGP by Yu et al. 2021), DESIGN §2.4.
+"""LSG: low-rank and sparse gradients (Ito et al. 2022, on RGP by Yu et al. 2021),
+ARCHITECTURE.md §2.4.
 
 For each adapted weight W (n x m; conv kernels flattened to n x (m k k)):
     carriers    L = orth(W R0) (n x r),  R = orth(W^T L)^T (r x m),  R0 ~ N(0, 1) fresh

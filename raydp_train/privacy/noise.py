@@ -1,4 +1,5 @@
-"""The Gaussian noise of DP-SGD (DESIGN §2.1-2.2): one draw of ``N(0, (sigma * C)^2 I)`` per step.
+"""The Gaussian noise of DP-SGD (ARCHITECTURE.md §2.1-2.2): one draw of
+``N(0, (sigma * C)^2 I)`` per step.
 
 The generator is seeded from ``os.urandom`` ("secure") unless an explicit seed is given
 ("seeded": reproducible, for tests only, never for a release); the run record says which.

@@ -1,4 +1,5 @@
-"""Poisson sampling of logical batches and their split into physical micro-batches (DESIGN §2.1).
+"""Poisson sampling of logical batches and their split into physical micro-batches
+(ARCHITECTURE.md §2.1).
 
 Each example joins a logical batch independently with probability ``q = B / N``; the batch size
 is random (possibly zero) and only its expectation ``B`` is fixed. Micro-batching only bounds

@@ -1,4 +1,5 @@
-"""One DP-SGD step (DESIGN §2.1-2.2): one noise draw + clipped sums -> all-reduce -> / q*N -> update."""
+"""One DP-SGD step (ARCHITECTURE.md §2.1-2.2): one noise draw + clipped sums -> all-reduce
+-> / q*N -> update."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def ensure_ray(address: str | None, num_cpus: int, verbose: bool = False) -> Non
         # "local" always starts a new Ray: without it, ray.init joins any cluster that a
         # `ray start --head` on this machine recorded (and refuses num_cpus there).
         # Logical CPUs may exceed the machine's: workers, the progress queue and Ray's own
-        # controller must all be schedulable on a 2-core laptop (DESIGN §5).
+        # controller must all be schedulable on a 2-core laptop (ARCHITECTURE.md §4).
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **output)
 
 

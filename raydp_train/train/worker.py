@@ -1,4 +1,4 @@
-"""The training loop of one worker, read top to bottom as DESIGN §2.2: charge, sample,
+"""The training loop of one worker, read top to bottom as ARCHITECTURE.md §2.2: charge, sample,
 micro-batch, clip, noise (rank 0), all-reduce, step, report. The same code runs with
 world size 1 in this process and as every rank of a Ray Train worker group."""
 
