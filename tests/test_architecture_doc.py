@@ -1,0 +1,130 @@
+"""ARCHITECTURE.md stays the document the code cites: every "ARCHITECTURE.md §N" in the
+repository names a section that exists, no citation of the old out-of-repository design
+document is left, the module map names exactly the modules of raydp_train/, and the privacy
+math keeps the rule the map states (no Ray, no YAML, no pipeline schema)."""
+
+import ast
+import os
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+DOC = ROOT / "ARCHITECTURE.md"
+PACKAGE = ROOT / "raydp_train"
+# Built from pieces so that this file does not cite anything itself.
+CITATION = re.compile("ARCHITECTURE" + r"\.md §(\d+(?:\.\d+)*)(?:-(\d+(?:\.\d+)*))?")
+SECTION_REFERENCE = re.compile(r"§(\d+(?:\.\d+)*)(?:-(\d+(?:\.\d+)*))?")
+OLD_CITATION = "DESIGN" + " §"
+HEADING = re.compile(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", re.MULTILINE)
+FORBIDDEN_IN_PRIVACY = {"ray", "yaml", "pydantic"}
+
+
+def section_numbers(doc: str) -> set[str]:
+    return set(HEADING.findall(doc))
+
+
+def cited_sections(text: str, pattern: re.Pattern = CITATION) -> set[str]:
+    """Every section a text cites; a range "§2.1-2.2" cites both ends."""
+    return {number for match in pattern.findall(text) for number in match if number}
+
+
+def module_map(doc: str) -> str:
+    """The text of section 3, from its heading to the next top-level section."""
+    return ("\n" + doc).split("\n## 3. ", 1)[1].split("\n## ", 1)[0]
+
+
+def mapped_modules(doc: str) -> set[str]:
+    """The modules the map's table rows name, each in the row's first cell."""
+    return set(re.findall(r"^\| `([\w/]+\.py)` \|", module_map(doc), re.MULTILINE))
+
+
+def package_modules(package: Path) -> set[str]:
+    return {path.relative_to(package).as_posix() for path in package.rglob("*.py")
+            if path.name != "__init__.py"}
+
+
+def repository_files() -> list[Path]:
+    """The repository's .py, .md and .yaml files, without hidden folders (.venv, .git) and
+    build outputs."""
+    skip = {"build", "dist", "__pycache__", "node_modules"}
+    found = []
+    for folder, subfolders, names in os.walk(ROOT):
+        subfolders[:] = [name for name in subfolders if not (
+            name.startswith(".") or name in skip or name.endswith(".egg-info"))]
+        found += [Path(folder, name) for name in names if name.endswith((".py", ".md", ".yaml"))]
+    return sorted(found)
+
+
+def missing_citations(files: list[Path], sections: set[str], root: Path = ROOT) -> list[str]:
+    return [f"{path.relative_to(root)}: §{number}" for path in files
+            for number in sorted(cited_sections(path.read_text(errors="replace")) - sections)]
+
+
+def imports_outside_the_rule(source: str) -> set[str]:
+    """Modules a privacy module imports that the rule forbids."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return {name for name in names
+            if name.split(".")[0] in FORBIDDEN_IN_PRIVACY
+            or (name.split(".")[0] == "raydp_train" and not name.startswith("raydp_train.privacy"))}
+
+
+def test_every_citation_names_an_existing_section():
+    sections = section_numbers(DOC.read_text())
+    missing = missing_citations(repository_files(), sections)
+    assert not missing, f"citations of sections ARCHITECTURE.md does not have: {missing}"
+
+
+def test_the_document_cites_only_its_own_sections():
+    doc = DOC.read_text()
+    missing = cited_sections(doc, SECTION_REFERENCE) - section_numbers(doc)
+    assert not missing, f"ARCHITECTURE.md refers to sections it does not have: {sorted(missing)}"
+
+
+def test_no_citation_of_the_old_design_document_remains():
+    stale = [str(path.relative_to(ROOT)) for path in repository_files()
+             if OLD_CITATION in path.read_text(errors="replace")]
+    assert not stale, f"cite ARCHITECTURE.md instead of the old design document in: {stale}"
+
+
+def test_the_module_map_names_exactly_the_package_modules():
+    mapped, modules = mapped_modules(DOC.read_text()), package_modules(PACKAGE)
+    assert not modules - mapped, f"modules missing from the map: {sorted(modules - mapped)}"
+    assert not mapped - modules, f"the map names modules that are gone: {sorted(mapped - modules)}"
+
+
+def test_the_privacy_math_imports_no_ray_yaml_or_schema():
+    broken = {str(path.relative_to(ROOT)): sorted(found)
+              for path in sorted((PACKAGE / "privacy").rglob("*.py"))
+              if (found := imports_outside_the_rule(path.read_text()))}
+    assert not broken, f"privacy/ must not import Ray, YAML or the schema: {broken}"
+
+
+# The checks themselves catch what they are for.
+
+
+def test_a_citation_of_a_missing_section_is_caught(tmp_path):
+    cited = tmp_path / "module.py"
+    cited.write_text('"""See ' + "ARCHITECTURE" + '.md §2.1-2.9 and §7."""\n')
+    assert missing_citations([cited], {"2", "2.1", "2.2"}, tmp_path) == ["module.py: §2.9"]
+
+
+def test_a_module_without_a_map_entry_is_caught(tmp_path):
+    (tmp_path / "privacy").mkdir()
+    for name in ("__init__.py", "cli.py", "privacy/__init__.py", "privacy/new_mechanism.py"):
+        (tmp_path / name).write_text("")
+    doc = "## 3. Module map\n| `cli.py` | the command line |\n## 4. Next\n| `old.py` | |\n"
+    assert package_modules(tmp_path) - mapped_modules(doc) == {"privacy/new_mechanism.py"}
+
+
+def test_headings_and_forbidden_imports_are_read():
+    doc = "## 2. The math\n### 2.1 Step\n#### 2.1.1 Detail\n## 10. Late\nnot # 3. a heading\n"
+    assert section_numbers(doc) == {"2", "2.1", "2.1.1", "10"}
+    source = ("import torch\nimport ray.train\nfrom raydp_train.pipeline import Pipeline\n"
+              "from raydp_train.privacy.noise import noise_std\n"
+              "def f():\n    import yaml\n")
+    assert imports_outside_the_rule(source) == {"ray.train", "raydp_train.pipeline", "yaml"}
