@@ -80,6 +80,6 @@ def test_a_model_that_never_took_a_step_is_not_for_release():
     plan = make_plan(load_pipeline(QUICKSTART), 1000)
     for steps, for_release in ((0, False), (plan.steps, True)):
         # What privacy_statement reads of a TrainResult (whose module would import Ray).
-        result = SimpleNamespace(noise_mode="secure", steps_done=steps, steps_charged=steps,
+        result = SimpleNamespace(noise_mode="fast", steps_done=steps, steps_charged=steps,
                                  releases_charged=0, stop_reason="completed")
         assert privacy_statement(plan, result, workers=1)["for_release"] is for_release
