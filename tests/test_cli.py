@@ -47,6 +47,14 @@ def test_batch_larger_than_dataset_is_refused_before_training(tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # nothing trained, nothing written
 
 
+def test_seeded_secure_noise_is_refused_before_anything_is_written(tmp_path, capsys):
+    args = ["run", QUICKSTART, "--set", "run.noise=secure", "--set", "run.seed=1",
+            "--set", f"run.output_dir={tmp_path}"]
+    assert main(args) == 2
+    assert "run.noise: secure noise cannot be seeded: remove run.seed" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_resume_refuses_a_run_directory_of_another_pipeline(tmp_path, capsys):
     (tmp_path / "pipeline.yaml").write_text("name: other\n")
     assert main(["run", QUICKSTART, "--resume", str(tmp_path)]) == 2

@@ -47,6 +47,20 @@ def test_mean_and_std_are_those_asked_for():
     assert abs(draws.std() - std) < TOLERANCE_SE * std_se
 
 
+def test_each_entry_sums_four_draws_scaled_by_one_half(monkeypatch):
+    """Holohan-Braghin with n = 2: (1 / sqrt(4)) * sum of 4 draws; all-ones draws give 2 std."""
+    asked = []
+
+    def ones(count: int) -> np.ndarray:
+        asked.append(count)
+        return np.ones(count)
+
+    generator = SecureGaussian()
+    monkeypatch.setattr(generator, "standard_normals", ones)
+    assert np.array_equal(generator.gaussians(10, 0.5), np.full(10, 2 * 0.5))
+    assert asked == [40]
+
+
 def test_tails_are_gaussian():
     """P(|X| > 2 std) = 0.0455 for a Gaussian; a wrong Box-Muller or sum scaling moves it."""
     draws = _secure_draws(1.0)
