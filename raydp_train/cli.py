@@ -381,12 +381,12 @@ def _print_summary(result, privacy: dict, record) -> None:
     print(f"  PLD accountant        epsilon {privacy['epsilon_pld']:.4f}")
     print(f"  rough estimate        epsilon {privacy['rough_epsilon_estimate']:.4f} "
           "(q*sqrt(T ln(1/delta))/sigma; not a guarantee)")
-    if privacy["private"]:
-        print(f"noise                   {noise_description(privacy)}")
     if not privacy["private"]:
         print("  NOT PRIVATE: privacy.mechanism none (a reference run, no guarantee)")
-    elif not privacy["for_release"]:
-        print("  noise was seeded (run.seed): reproducible, NOT for release")
+    else:
+        print(f"noise                   {noise_description(privacy)}")
+        if not privacy["for_release"]:
+            print("  noise was seeded (run.seed): reproducible, NOT for release")
     print(f"run record              {record}")
 
 

@@ -91,3 +91,20 @@ def test_a_model_that_never_took_a_step_is_not_for_release():
         result = SimpleNamespace(noise_mode="fast", steps_done=steps, steps_charged=steps,
                                  releases_charged=0, stop_reason="completed")
         assert privacy_statement(plan, result, workers=1)["for_release"] is for_release
+
+
+def test_the_summary_says_which_noise_a_run_used(capsys):
+    from types import SimpleNamespace
+
+    from raydp_train.cli import _print_summary
+    from raydp_train.pipeline import load_pipeline
+    from raydp_train.plan import make_plan
+    from raydp_train.privacy.noise import NOISE_SOURCES
+    from raydp_train.report import privacy_statement
+
+    plan = make_plan(load_pipeline(QUICKSTART), 1000)
+    result = SimpleNamespace(noise_mode="secure", steps_done=plan.steps,
+                             steps_charged=plan.steps, releases_charged=0, stop_reason="completed",
+                             metrics=[], trained_per_step=10, model_parameters=10)
+    _print_summary(result, privacy_statement(plan, result, workers=1), "record.json")
+    assert f"noise                   secure: {NOISE_SOURCES['secure']}" in capsys.readouterr().out
