@@ -324,7 +324,7 @@ def _resumed_run_dir(run_dir: str, pipeline) -> Path:
 
 
 def report(args) -> int:
-    from raydp_train.report import metrics_table, read_record, write_plots
+    from raydp_train.report import metrics_table, noise_description, read_record, write_plots
 
     try:
         record = read_record(Path(args.run_dir))
@@ -336,7 +336,8 @@ def report(args) -> int:
     print(f"\nprivacy: epsilon {privacy['epsilon']:.4f} at delta {privacy['delta']:g} "
           f"({privacy['accountant'].upper()}), q={privacy['sampling_rate']:.4g}, "
           f"sigma={privacy['noise_multiplier']:.4g}, C={privacy['clip_norm']:g}, "
-          f"{privacy['steps']} steps, {privacy['workers']} worker(s), noise {privacy['noise_mode']}")
+          f"{privacy['steps']} steps, {privacy['workers']} worker(s)")
+    print(f"noise: {noise_description(privacy)}")
     if record.get("baselines"):
         print(f"to beat: {_baselines_text(record['baselines'])}")
     for plot in write_plots(record, Path(args.run_dir)):
@@ -360,6 +361,8 @@ def _baselines_text(baselines: dict) -> str:
 
 
 def _print_summary(result, privacy: dict, record) -> None:
+    from raydp_train.report import noise_description
+
     delta = privacy["delta"]
     if result.metrics:
         last = result.metrics[-1]
@@ -380,8 +383,10 @@ def _print_summary(result, privacy: dict, record) -> None:
           "(q*sqrt(T ln(1/delta))/sigma; not a guarantee)")
     if not privacy["private"]:
         print("  NOT PRIVATE: privacy.mechanism none (a reference run, no guarantee)")
-    elif not privacy["for_release"]:
-        print("  noise was seeded (run.seed): reproducible, NOT for release")
+    else:
+        print(f"noise                   {noise_description(privacy)}")
+        if not privacy["for_release"]:
+            print("  noise was seeded (run.seed): reproducible, NOT for release")
     print(f"run record              {record}")
 
 

@@ -258,9 +258,19 @@ class PrivacyConfig(Section):
 
 
 class RunConfig(Section):
-    seed: int | None = None  # None: secure random noise; an int is for reproducing, not release
+    seed: int | None = None  # None: noise seeded from os.urandom; an int: reproducible, not release
+    # fast: torch's generator (not robust to floating-point attacks); secure: AES-CTR noise,
+    # Holohan-Braghin sums (privacy/secure_noise.py), slower
+    noise: Literal["fast", "secure"] = "fast"
     output_dir: str = "runs"  # a run writes <output_dir>/<name>-<time>/
     max_failures: int = Field(0, ge=0)  # worker-group restarts from the last checkpoint
+
+    @model_validator(mode="after")
+    def _secure_is_unseeded(self) -> RunConfig:
+        if self.noise == "secure" and self.seed is not None:
+            raise FieldProblem("secure noise cannot be seeded: remove run.seed, or use "
+                               "run.noise: fast for a reproducible run (not for release)", "noise")
+        return self
 
 
 class Pipeline(Section):

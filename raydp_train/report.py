@@ -19,6 +19,7 @@ import torch
 from raydp_train.pipeline import Pipeline, PipelineError, dump_pipeline
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.ledger import as_uri
+from raydp_train.privacy.noise import NOISE_SOURCES
 
 
 def new_run_dir(pipeline: Pipeline, kind: str = "") -> Path:
@@ -62,13 +63,24 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         "release_noise_multiplier": plan.release_noise_multiplier,
         "workers": workers,
         "noise": "one Gaussian draw per step on rank 0, summed by all-reduce",
-        "noise_mode": result.noise_mode,
+        "noise_mode": result.noise_mode,  # fast, secure or seeded (run.noise, run.seed)
+        "noise_source": NOISE_SOURCES[result.noise_mode],
         "private": plan.noise_multiplier > 0,  # false: the non-private reference
         # A model that never took a step is the untrained initialization: nothing to release.
-        "for_release": (result.noise_mode == "secure" and plan.noise_multiplier > 0
+        "for_release": (result.noise_mode != "seeded" and plan.noise_multiplier > 0
                         and result.steps_done > 0),
         "stop_reason": result.stop_reason,
     }
+
+
+def noise_description(privacy: dict) -> str:
+    """`mode: source` of a privacy statement; records before 0.2.0 called fast noise "secure"."""
+    if "noise_source" in privacy:
+        return f"{privacy['noise_mode']}: {privacy['noise_source']}"
+    if privacy["noise_mode"] == "secure":
+        return (f"fast: {NOISE_SOURCES['fast']} (recorded as \"secure\" before 0.2.0, which "
+                "had no other mode)")
+    return f"{privacy['noise_mode']}: {NOISE_SOURCES['seeded']}"
 
 
 def training_statement(pipeline: Pipeline, result) -> dict:

@@ -262,7 +262,7 @@ def _scheduler(pipeline: Pipeline):
 
 
 def _draw_trial_count(pipeline: Pipeline) -> int:
-    """K for random stopping, from a secure source unless the run is seeded (not for release)."""
+    """K for random stopping, seeded from os.urandom unless the run is seeded (not for release)."""
     seed = pipeline.run.seed
     rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little") if seed is None else seed)
     stopping = pipeline.tune.random_stopping

@@ -47,6 +47,14 @@ def test_batch_larger_than_dataset_is_refused_before_training(tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # nothing trained, nothing written
 
 
+def test_seeded_secure_noise_is_refused_before_anything_is_written(tmp_path, capsys):
+    args = ["run", QUICKSTART, "--set", "run.noise=secure", "--set", "run.seed=1",
+            "--set", f"run.output_dir={tmp_path}"]
+    assert main(args) == 2
+    assert "run.noise: secure noise cannot be seeded: remove run.seed" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_resume_refuses_a_run_directory_of_another_pipeline(tmp_path, capsys):
     (tmp_path / "pipeline.yaml").write_text("name: other\n")
     assert main(["run", QUICKSTART, "--resume", str(tmp_path)]) == 2
@@ -80,6 +88,23 @@ def test_a_model_that_never_took_a_step_is_not_for_release():
     plan = make_plan(load_pipeline(QUICKSTART), 1000)
     for steps, for_release in ((0, False), (plan.steps, True)):
         # What privacy_statement reads of a TrainResult (whose module would import Ray).
-        result = SimpleNamespace(noise_mode="secure", steps_done=steps, steps_charged=steps,
+        result = SimpleNamespace(noise_mode="fast", steps_done=steps, steps_charged=steps,
                                  releases_charged=0, stop_reason="completed")
         assert privacy_statement(plan, result, workers=1)["for_release"] is for_release
+
+
+def test_the_summary_says_which_noise_a_run_used(capsys):
+    from types import SimpleNamespace
+
+    from raydp_train.cli import _print_summary
+    from raydp_train.pipeline import load_pipeline
+    from raydp_train.plan import make_plan
+    from raydp_train.privacy.noise import NOISE_SOURCES
+    from raydp_train.report import privacy_statement
+
+    plan = make_plan(load_pipeline(QUICKSTART), 1000)
+    result = SimpleNamespace(noise_mode="secure", steps_done=plan.steps,
+                             steps_charged=plan.steps, releases_charged=0, stop_reason="completed",
+                             metrics=[], trained_per_step=10, model_parameters=10)
+    _print_summary(result, privacy_statement(plan, result, workers=1), "record.json")
+    assert f"noise                   secure: {NOISE_SOURCES['secure']}" in capsys.readouterr().out

@@ -127,7 +127,7 @@ def test_cli_run_on_ray_then_report(ray_session, tmp_path, capsys):
     privacy = json.loads((run_dir / "privacy.json").read_text())
     assert privacy["steps"] == 375 and privacy["workers"] == 2
     assert privacy["epsilon"] == pytest.approx(rdp, rel=1e-12)
-    assert privacy["noise_mode"] == "secure" and privacy["for_release"] is True
+    assert privacy["noise_mode"] == "fast" and privacy["for_release"] is True
 
     assert main(["report", str(run_dir)]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""One Gaussian draw per step, from a secure or an explicitly seeded generator."""
+"""One Gaussian draw per step, from a generator seeded from os.urandom (fast) or explicitly."""
 
 import pytest
 import torch
@@ -18,9 +18,9 @@ def test_seeded_generators_reproduce():
     assert torch.equal(_noised(100, 1.0, gen_a), _noised(100, 1.0, gen_b))
 
 
-def test_secure_generators_differ():
+def test_unseeded_generators_differ():
     (gen_a, mode_a), (gen_b, mode_b) = make_generator(None), make_generator(None)
-    assert mode_a == mode_b == "secure"
+    assert mode_a == mode_b == "fast"
     assert not torch.equal(_noised(100, 1.0, gen_a), _noised(100, 1.0, gen_b))
 
 

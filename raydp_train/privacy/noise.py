@@ -1,8 +1,12 @@
 """The Gaussian noise of DP-SGD (ARCHITECTURE.md §2.1-2.2): one draw of
 ``N(0, (sigma * C)^2 I)`` per step.
 
-The generator is seeded from ``os.urandom`` ("secure") unless an explicit seed is given
-("seeded": reproducible, for tests only, never for a release); the run record says which.
+Three noise modes (``run.noise``, ``run.seed``); the run record says which one a run used:
+- ``fast``: torch's Mersenne Twister seeded from ``os.urandom``. Not a cryptographic generator
+  and, like any plain float Gaussian sampler, not robust to floating-point attacks (Mironov 2012).
+  0.1.0 and earlier labelled this mode "secure".
+- ``secure``: ``secure_noise.SecureGaussian`` (AES-CTR keystream, Holohan-Braghin sums).
+- ``seeded``: torch's generator seeded by ``run.seed``: reproducible, for tests, never a release.
 
 torch draws normal numbers on one CPU thread, and a draw over every parameter of a model is a
 sizeable part of a step. A large draw on the CPU is therefore split into contiguous chunks,
@@ -19,7 +23,16 @@ from typing import Literal
 
 import torch
 
-NoiseMode = Literal["secure", "seeded"]
+from raydp_train.privacy.secure_noise import SecureGaussian
+
+NoiseMode = Literal["fast", "secure", "seeded"]
+NoiseGenerator = torch.Generator | SecureGaussian
+NOISE_SOURCES: dict[str, str] = {
+    "fast": "torch Mersenne Twister seeded from os.urandom; not robust to floating-point attacks",
+    "secure": "AES-CTR keystream (cryptography) keyed from os.urandom; Holohan-Braghin sums of "
+              "4 Box-Muller draws, robust to floating-point attacks",
+    "seeded": "torch Mersenne Twister seeded by run.seed: reproducible, NOT for release",
+}
 # Below this many entries a draw runs on one thread (handing chunks to threads costs more).
 PARALLEL_DRAW_MIN_ENTRIES = 1 << 17
 _SEED_LIMIT = 1 << 62
@@ -30,13 +43,24 @@ _pool: ThreadPoolExecutor | None = None
 def make_generator(
     seed: int | None, device: str | torch.device = "cpu"
 ) -> tuple[torch.Generator, NoiseMode]:
-    """A ``torch.Generator`` on ``device`` and its mode: ``"secure"`` if ``seed`` is None."""
+    """A ``torch.Generator`` on ``device`` and its mode: ``"fast"`` if ``seed`` is None."""
     generator = torch.Generator(device=device)
     if seed is None:
         generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
-        return generator, "secure"
+        return generator, "fast"
     generator.manual_seed(seed)
     return generator, "seeded"
+
+
+def make_noise_generator(
+    noise: Literal["fast", "secure"], seed: int | None, device: str | torch.device = "cpu"
+) -> tuple[NoiseGenerator, NoiseMode]:
+    """The generator of a run's gradient noise (``run.noise``, ``run.seed``) and its mode."""
+    if noise == "fast":
+        return make_generator(seed, device)
+    if seed is not None:  # the schema refuses this too; a seeded run cannot be secure
+        raise ValueError("run.noise: secure cannot be seeded: remove run.seed")
+    return SecureGaussian(), "secure"
 
 
 def noise_std(noise_multiplier: float, clip_norm: float) -> float:
@@ -44,7 +68,7 @@ def noise_std(noise_multiplier: float, clip_norm: float) -> float:
     return noise_multiplier * clip_norm
 
 
-def fill_gaussian_noise_(tensor: torch.Tensor, std: float, generator: torch.Generator) -> None:
+def fill_gaussian_noise_(tensor: torch.Tensor, std: float, generator: NoiseGenerator) -> None:
     """``tensor <- N(0, std^2 I)`` in place, one draw over the whole tensor; ``std == 0``: zeros.
 
     A step starts its gradient sum from the noise and adds the clipped gradients onto it:
@@ -54,6 +78,9 @@ def fill_gaussian_noise_(tensor: torch.Tensor, std: float, generator: torch.Gene
         raise ValueError(f"noise std must be >= 0, got {std}")
     if std == 0.0:
         tensor.zero_()
+        return
+    if isinstance(generator, SecureGaussian):
+        generator.fill_(tensor, std)
         return
     chunks = _draw_chunks(tensor)
     if len(chunks) == 1:

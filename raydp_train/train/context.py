@@ -75,7 +75,7 @@ class RayTrainContext:
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
 
     def broadcast_parameters(self, model: nn.Module) -> None:
-        """Start every rank from rank 0's initialization (secure mode seeds them differently)."""
+        """Start every rank from rank 0's initialization (unseeded runs initialize each rank differently)."""
         for tensor in [*model.parameters(), *model.buffers()]:
             torch.distributed.broadcast(tensor.data, src=0)
 

@@ -17,7 +17,12 @@ from raydp_train.models import build_model, tokenizer_source
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.lsg import LowRankSparseGradients
-from raydp_train.privacy.noise import make_generator, noise_std
+from raydp_train.privacy.noise import (
+    fill_gaussian_noise_,
+    make_generator,
+    make_noise_generator,
+    noise_std,
+)
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum
@@ -30,7 +35,7 @@ from raydp_train.train.step import cross_entropy_loss, private_step
 class TrainResult:
     model: nn.Module
     metrics: list[dict] = field(default_factory=list)  # one row per epoch
-    noise_mode: str = "secure"
+    noise_mode: str = "fast"  # privacy.noise.NOISE_SOURCES says what each mode is
     steps_done: int = 0  # steps of the finished run
     steps_charged: int = 0  # steps charged to the privacy account, restarts included
     releases_charged: int = 0  # noisy validation-metric releases charged
@@ -89,7 +94,7 @@ def train(
         clipper = PerExampleClipper(model, plan.clip_norm, rules=lsg.rules if lsg else None)
     if lsg is not None:
         lsg.bind(clipper.slots, clipper.flat_grad)
-    noise_generator, noise_mode = make_generator(seed, context.device)
+    noise_generator, noise_mode = make_noise_generator(pipeline.run.noise, seed, context.device)
     # Rank 0 alone draws the noise: ONE draw of std sigma*C per step for the whole world.
     std = noise_std(plan.noise_multiplier, plan.clip_norm) if rank == 0 else 0.0
     sampling_generator, _ = make_generator(None if seed is None else seed + 1 + rank)
@@ -217,7 +222,7 @@ def released_accuracy(exact_accuracy: float, rows: int, plan: PrivacyPlan, noise
     correct = exact_accuracy * rows
     if plan.release_noise_multiplier > 0:
         noise = torch.empty(1, device=noise_generator.device)
-        noise.normal_(0.0, plan.release_noise_multiplier, generator=noise_generator)
+        fill_gaussian_noise_(noise, plan.release_noise_multiplier, noise_generator)
         correct += noise.item()
     return correct / rows
 
