@@ -91,12 +91,17 @@ def test_sweep_spends_one_budget_until_it_is_exhausted(ray_session, tmp_path, ca
     assert "privacy of the whole sweep: epsilon" in output and "budget exhausted" in output
     assert_best_model_loads(sweep_dir, summary["best"])
 
-    # A run on the same, now spent, budget stops cleanly before its first epoch, keeping no
-    # run directory (no untrained model.pt).
+    # A run on the same, now (nearly) spent, budget stops cleanly where the budget ends. Which
+    # trials the sweep stopped where depends on timing, so an epoch of this run may still fit
+    # (seen under heavy load): its directory is kept only if it trained, never an untrained
+    # model.pt, and the ledger still holds no more than the budget.
     run_args = ["run", pipeline] + [x for o in overrides for x in ("--set", o)]
     assert main(run_args) == EXIT_BUDGET_EXHAUSTED
     assert "STOPPED: budget exhausted" in capsys.readouterr().out
-    assert [p.name for p in (tmp_path / "runs").iterdir()] == [sweep_dir.name]
+    for run_dir in [p for p in (tmp_path / "runs").iterdir() if p.name != sweep_dir.name]:
+        assert json.loads((run_dir / "privacy.json").read_text())["steps"] > 0, run_dir
+    assert max(r["running_epsilon"]
+               for r in ledger_rows("test-sweep", f"{tmp_path}/budgets")) <= 4.5
     assert load_pipeline(sweep_dir / "best.yaml").budget.name == "test-sweep"
 
     # A second sweep on the spent budget trains nothing and writes nothing.
