@@ -152,3 +152,45 @@ def test_validate_checks_a_pretrained_text_pipeline_without_ray_or_weights(tmp_p
     refused = validate("--set", "model.trainable=[nope.*]")
     assert refused.returncode == 2
     assert "model.trainable: patterns ['nope.*'] match no parameter" in refused.stderr
+    # Both the data and the model are wrong: the model's check runs in a forked process, but
+    # the data's error is the one reported, as in a run.
+    refused = validate("--set", "model.trainable=[nope.*]", "--set", "data.label_column=nope")
+    assert refused.returncode == 2
+    assert "column(s) ['nope'] not in" in refused.stderr and "nope.*" not in refused.stderr
+    # Errors found only by building the optimizer come back from the forked process too.
+    refused = validate("--set", "training.param_groups=[{params: [nothing.*], lr: 0.1}]")
+    assert refused.returncode == 2, refused.stderr
+    assert "training.param_groups" in refused.stderr and "Traceback" not in refused.stderr
+
+
+class Unpicklable(Exception):
+    def __init__(self, message: str, extra: object) -> None:
+        super().__init__(message)
+        self.extra = extra
+
+    def __reduce__(self):
+        raise TypeError("cannot pickle")
+
+
+def raise_unpicklable() -> None:
+    raise Unpicklable("the model check failed", lambda: None)
+
+
+def die() -> None:
+    import os
+
+    os._exit(7)
+
+
+def test_a_forked_check_reports_its_error_or_its_death():
+    from raydp_train.preflight import _forked
+
+    with _forked(sum, [1, 2]) as fine:
+        fine.result()
+    with _forked(int, "not a number") as failing, pytest.raises(ValueError, match="not a number"):
+        failing.result()
+    with _forked(raise_unpicklable) as failing, pytest.raises(RuntimeError,
+                                                            match="Unpicklable: the model check"):
+        failing.result()
+    with _forked(die) as dying, pytest.raises(RuntimeError, match="died \\(exit code 7\\)"):
+        dying.result()
