@@ -40,6 +40,7 @@ from raydp_train.privacy.audit import (
     subsampled_gaussian_score,
 )
 from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.privacy.mechanism import MECHANISMS, mechanism_named
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train.step import cross_entropy_loss, private_step
@@ -92,11 +93,13 @@ class AuditResult:
 
 def check_auditable(pipeline, trials: int) -> None:
     """Refuse, before loading anything, what this audit cannot measure."""
-    if pipeline.privacy.mechanism != "dpsgd":
+    mechanism = mechanism_named(pipeline.privacy.mechanism)
+    if not mechanism.auditable:
+        auditable = sorted(name for name, cls in MECHANISMS.items() if cls.auditable)
         raise PlanError(
-            f"privacy.mechanism: the audit measures DP-SGD (dpsgd), got "
-            f"{pipeline.privacy.mechanism!r}" + (" (not private: there is no claim to audit)"
-                                                 if pipeline.privacy.mechanism == "none" else ""))
+            f"privacy.mechanism: the audit measures {', '.join(auditable)}, got "
+            f"{mechanism.name!r}" + ("" if mechanism.private
+                                     else " (not private: there is no claim to audit)"))
     if pipeline.model.kind not in AUDITABLE_MODELS:
         raise ModelError(
             f"model.kind: the audit trains many small models in this process and supports "

@@ -158,6 +158,7 @@ def validate(args) -> int:
 
 
 def run(args) -> int:
+    from raydp_train.privacy.mechanism import mechanism_named
     from raydp_train.report import new_run_dir, privacy_statement, write_run_record
     from raydp_train.train.trainer import RunInterrupted, fit
 
@@ -166,8 +167,7 @@ def run(args) -> int:
     budget = _open_budget(pipeline)  # a bad budget or ledger: refused before a run directory
     run_dir = resumed or new_run_dir(pipeline)
     workers = pipeline.training.workers
-    mechanism = {"dpsgd": "DP-SGD", "lsg": "LSG", "none": "NON-PRIVATE SGD"}[
-        pipeline.privacy.mechanism]
+    mechanism = mechanism_named(plan.mechanism).label
     print(f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} examples, "
           f"{workers} worker(s), q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, "
           f"C={plan.clip_norm:g}\nrun directory: {run_dir}", flush=True)
@@ -382,7 +382,8 @@ def _print_summary(result, privacy: dict, record) -> None:
     print(f"  rough estimate        epsilon {privacy['rough_epsilon_estimate']:.4f} "
           "(q*sqrt(T ln(1/delta))/sigma; not a guarantee)")
     if not privacy["private"]:
-        print("  NOT PRIVATE: privacy.mechanism none (a reference run, no guarantee)")
+        print(f"  NOT PRIVATE: privacy.mechanism {privacy.get('mechanism', 'none')} (a reference "
+              "run, no guarantee)")
     else:
         print(f"noise                   {noise_description(privacy)}")
         if not privacy["for_release"]:

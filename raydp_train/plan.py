@@ -7,11 +7,10 @@ from dataclasses import asdict, dataclass
 from raydp_train.privacy.accounting import (
     calibrate_noise_multiplier,
     composed_epsilon,
-    dpsgd_event,
-    gaussian_release_event,
     rough_epsilon_estimate,
 )
 from raydp_train.privacy.budget import Spend
+from raydp_train.privacy.mechanism import mechanism_named
 from raydp_train.privacy.sampling import sampling_rate, total_steps
 
 
@@ -31,9 +30,14 @@ class PrivacyPlan:
     delta: float
     accountant: str
     epochs: int = 1
+    mechanism: str = "dpsgd"  # a registered name (privacy/mechanism.py)
     # Noise on each released count of correct validation predictions (sensitivity 1), one
     # release per epoch; 0 when nothing private is released besides the model.
     release_noise_multiplier: float = 0.0
+
+    @property
+    def private(self) -> bool:
+        return mechanism_named(self.mechanism).private
 
     @property
     def releases_per_epoch(self) -> int:
@@ -42,25 +46,24 @@ class PrivacyPlan:
     def epsilon(
         self, steps: int | None = None, accountant: str | None = None, releases: int | None = None
     ) -> float:
-        """Epsilon spent after `steps` and `releases` (default: the whole run); no noise: inf."""
-        if self.noise_multiplier == 0:
+        """Epsilon spent after `steps` and `releases` (default: the whole run); not private: inf."""
+        if not self.private:
             return float("inf")
         steps = self.steps if steps is None else steps
         releases = self.epochs * self.releases_per_epoch if releases is None else releases
-        events = []
-        if steps:
-            events.append(dpsgd_event(self.sampling_rate, self.noise_multiplier, steps))
-        if releases:
-            events.append(gaussian_release_event(self.release_noise_multiplier, releases))
-        return composed_epsilon(events, self.delta, accountant or self.accountant) if events else 0.0
+        if not steps and not releases:
+            return 0.0
+        event = self.spend(steps, releases).dp_event()
+        return composed_epsilon([event], self.delta, accountant or self.accountant)
 
     def spend(self, steps: int, releases: int) -> Spend:
         """A budget reservation for `steps` training steps and `releases` metric releases."""
         return Spend(self.sampling_rate, self.noise_multiplier, steps,
-                     self.release_noise_multiplier if releases else 0.0, releases)
+                     self.release_noise_multiplier if releases else 0.0, releases,
+                     mechanism=self.mechanism)
 
     def rough_epsilon(self) -> float:
-        if self.noise_multiplier == 0:
+        if not self.private:
             return float("inf")
         return rough_epsilon_estimate(
             self.sampling_rate, self.noise_multiplier, self.steps, self.delta
@@ -95,7 +98,8 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
             "privacy.target_epsilon: calibration covers the training steps only; with noisy "
             "validation releases (data.validation.noise_multiplier) set privacy.noise_multiplier"
         )
-    if privacy.mechanism == "none":
+    private = mechanism_named(privacy.mechanism).private
+    if not private:
         sigma = 0.0  # the non-private reference: epsilon is infinite
     elif sigma is None:
         try:
@@ -110,10 +114,11 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         sampling_rate=rate,
         steps=steps,
         noise_multiplier=float(sigma),
-        noise_calibrated=privacy.noise_multiplier is None and privacy.mechanism != "none",
+        noise_calibrated=privacy.noise_multiplier is None and private,
         clip_norm=privacy.clip_norm,
         delta=privacy.delta,
         accountant=privacy.accountant,
         epochs=training.epochs,
+        mechanism=privacy.mechanism,
         release_noise_multiplier=release_sigma,
     )

@@ -17,8 +17,7 @@ from raydp_train.hf_prefix import FrozenPrefix
 from raydp_train.models import build_model, tokenizer_source
 from raydp_train.pipeline import Pipeline
 from raydp_train.plan import PlanError, PrivacyPlan, make_plan
-from raydp_train.privacy.clipping import PerExampleClipper
-from raydp_train.privacy.lsg import LowRankSparseGradients
+from raydp_train.privacy.mechanism import make_mechanism
 from raydp_train.train.optim import make_optimizer, make_schedule, warmup_steps
 
 
@@ -78,15 +77,12 @@ def _check_data_and_plan(pipeline: Pipeline, for_training: bool) -> tuple[Datase
 
 def _check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes: int,
                  for_training: bool) -> nn.Module:
-    """The model builds, its trainable layers are supported (with LSG's settings when asked
-    for) and the frozen-prefix cache fits it."""
+    """The model builds, the mechanism attaches to it (every trainable layer is supported,
+    with LSG's settings when asked for) and the frozen-prefix cache fits it."""
     model = build_model(pipeline.model, feature_shape, num_classes, load_weights=for_training)
-    rules = None
-    if pipeline.privacy.mechanism == "lsg":
-        rules = LowRankSparseGradients(model, pipeline.privacy.lsg, torch.Generator()).rules
-    if pipeline.privacy.mechanism != "none":
-        PerExampleClipper(model, pipeline.privacy.clip_norm, rules=rules).close()
-    # These look at the parameters that train, so after LSG froze what it freezes.
+    make_mechanism(pipeline.privacy, torch.Generator()).attach(
+        model, pipeline.privacy.clip_norm).close()
+    # These look at the parameters that train, so after the mechanism froze what it freezes.
     if pipeline.training.cache_frozen_prefix:
         FrozenPrefix(model)
     return model

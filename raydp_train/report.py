@@ -65,9 +65,10 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         "noise": "one Gaussian draw per step on rank 0, summed by all-reduce",
         "noise_mode": result.noise_mode,  # fast, secure or seeded (run.noise, run.seed)
         "noise_source": NOISE_SOURCES[result.noise_mode],
-        "private": plan.noise_multiplier > 0,  # false: the non-private reference
+        "mechanism": plan.mechanism,
+        "private": plan.private,  # false: the non-private reference
         # A model that never took a step is the untrained initialization: nothing to release.
-        "for_release": (result.noise_mode != "seeded" and plan.noise_multiplier > 0
+        "for_release": (result.noise_mode != "seeded" and plan.private
                         and result.steps_done > 0),
         "stop_reason": result.stop_reason,
     }

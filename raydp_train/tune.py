@@ -213,8 +213,8 @@ def random_stopping_spend(pipeline: Pipeline, plan) -> Spend:
     """The whole random-stopping sweep as one reservation: RepeatAndSelect of the costliest
     trial."""
     stopping = pipeline.tune.random_stopping
-    return replace(worst_trial_spend(pipeline, plan), mechanism="random_stopping",
-                   mean_trials=stopping.mean_trials, shape=stopping.shape_value)
+    return replace(worst_trial_spend(pipeline, plan), mean_trials=stopping.mean_trials,
+                   shape=stopping.shape_value)
 
 
 def first_refusal(pipeline: Pipeline, plan) -> str:

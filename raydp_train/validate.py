@@ -18,8 +18,9 @@ def print_validation(pipeline: Pipeline, dataset, plan: PrivacyPlan) -> bool:
     print(f"training examples N     {plan.num_examples} (test {len(dataset.test_labels)})")
     print(f"sampling rate q         {plan.sampling_rate:.6g} (expected batch {plan.expected_batch_size})")
     print(f"steps                   {plan.steps}")
-    if pipeline.privacy.mechanism == "none":
-        print("NOT PRIVATE             privacy.mechanism none: no clipping, no noise, epsilon inf")
+    if not plan.private:
+        print(f"NOT PRIVATE             privacy.mechanism {plan.mechanism}: no clipping, no "
+              "noise, epsilon inf")
         return True
     how = "calibrated to target_epsilon" if plan.noise_calibrated else "given"
     print(f"noise multiplier sigma  {plan.noise_multiplier:.6g} ({how})")

@@ -211,7 +211,7 @@ def test_bad_reservations_are_refused_with_reasons(tmp_path):
 def test_random_stopping_epsilon_equals_repeat_and_select(tmp_path):
     budget = _accountant(tmp_path, epsilon=100.0)
     spend = Spend(0.02, 1.2, 200, release_noise_multiplier=10.0, releases=5,
-                  mechanism="random_stopping", mean_trials=8.0, shape=1.0)
+                  mean_trials=8.0, shape=1.0)
     assert budget.reserve("r", "sweep", spend).granted
     trial = dp_accounting.ComposedDpEvent([
         _dpsgd(0.02, 1.2, 200),
@@ -237,3 +237,26 @@ def test_ledger_rows_use_the_parquet_schema(tmp_path):
     (fragment,) = (Path(tmp_path) / "b").glob("*.parquet")
     table = pa.parquet.read_table(fragment)
     assert table.num_rows == 1 and table.column("kind")[0].as_py() == "open"
+
+
+def test_the_ledger_records_the_mechanism_and_old_ledgers_replay(tmp_path):
+    from raydp_train.budget_report import ledger_rows
+    from raydp_train.privacy.budget import replay
+
+    budget = _accountant(tmp_path, epsilon=100.0)
+    assert budget.reserve("a", "lsg-run", Spend(0.02, 1.2, 200, mechanism="lsg")).granted
+    sweep = Spend(0.02, 1.2, 200, mean_trials=8.0, shape=1.0)
+    assert budget.reserve("b", "sweep", sweep).granted
+    rows = ledger_rows("b", str(tmp_path))
+    assert [r["mechanism"] for r in rows[1:]] == ["lsg", "dpsgd"]
+    # LSG's steps are DP-SGD's event: the same epsilon as the direct composition.
+    trial = _dpsgd(0.02, 1.2, 200)
+    expected = _direct_epsilon(
+        [trial, dp_accounting.dp_event.RepeatAndSelectDpEvent(trial, 8.0, 1.0)], 1e-5, "rdp")
+    assert budget.status()["epsilon_counted"] == pytest.approx(expected, rel=1e-9)
+    # Ledgers written before mechanisms were named called a random-stopping sweep
+    # "random_stopping": they replay to the epsilon they recorded.
+    rows[2]["mechanism"] = "random_stopping"
+    assert replay(rows).recomposed_epsilon() == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(BudgetError, match="mechanism must be one of dpsgd, lsg, got none"):
+        budget.reserve("c", "reference", Spend(0.02, 1.2, 200, mechanism="none"))

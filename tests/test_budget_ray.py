@@ -144,7 +144,8 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
     assert all(0.003 <= t["training.param_groups[0].lr"] <= 0.03 for t in summary["trials"])
     assert not [t["error"] for t in summary["trials"] if "error" in t]  # each trial applied it
     rows = ledger_rows("test-random-stopping", f"{tmp_path}/budgets")
-    assert [(r["kind"], r["mechanism"]) for r in rows[1:]] == [
-        ("reserve", "random_stopping"), ("settle", "random_stopping")]
+    # One random-stopping reservation (mean_trials > 0) of DP-SGD trials, settled in full.
+    assert [(r["kind"], r["mechanism"], r["mean_trials"]) for r in rows[1:]] == [
+        ("reserve", "dpsgd", 2.0), ("settle", "dpsgd", 2.0)]
     assert rows[1]["noise_multiplier"] == 1.2  # the costliest trial the space allows
     assert summary["privacy"]["epsilon"] == pytest.approx(rows[1]["running_epsilon"])

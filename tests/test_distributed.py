@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -170,7 +171,8 @@ def test_lsg_on_two_workers_adds_one_draw_to_the_kept_entries_only(ray_session, 
                     "mechanism": "lsg", "lsg": {"rank": 4, "sparsity": 0.5}},
     })
     plan = make_plan(pipeline, 640)
-    assert plan == make_plan(small_pipeline(2), 640)  # LSG accounting = DP-SGD accounting
+    # LSG accounting = DP-SGD accounting: the same plan but for the mechanism's name.
+    assert plan == replace(make_plan(small_pipeline(2), 640), mechanism="lsg")
     result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
     # Only the 20 -> 128 layer is adapted (the 128 -> 2 head has min(n, m) = 2 <= rank 4):
     # kept carriers (128 - 64) * 4 + (20 - 10) * 4 = 296, its bias 128, the head's 258.

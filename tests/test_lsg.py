@@ -2,6 +2,8 @@
 reparametrized layer W0 + L R (naive loop), the projection formula, masks and exact zeros."""
 
 import math
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from raydp_train.privacy.lsg import (
     gradient_carriers,
     project_to_weight,
 )
+from raydp_train.privacy.mechanism import LowRankSparse
 from raydp_train.train.context import LocalContext
 from raydp_train.train.step import cross_entropy_loss, private_step
 from raydp_train.train.worker import train
@@ -26,6 +29,13 @@ pytestmark = pytest.mark.usefixtures("float64")
 
 def lsg_for(model, **config):
     return LowRankSparseGradients(model, LsgConfig(**config), torch.Generator().manual_seed(0))
+
+
+def lsg_attached(model, **config):
+    """LSG attached to `model` as a worker attaches it: (mechanism, its clipper)."""
+    privacy = SimpleNamespace(lsg=LsgConfig(**config))
+    mechanism = LowRankSparse(privacy, torch.Generator().manual_seed(0))
+    return mechanism, mechanism.attach(model, 1.0)
 
 
 def test_carriers_are_orthonormal():
@@ -150,9 +160,8 @@ def test_kept_count_and_frozen_entries_exactly_zero_after_noise(sparsity, build)
     torch.manual_seed(4)
     model, x, shapes = build()
     rank = 2
-    lsg = lsg_for(model, rank=rank, sparsity=sparsity, layers=["0", "2"])
-    clipper = PerExampleClipper(model, 1.0, rules=lsg.rules)
-    lsg.bind(clipper.slots, clipper.flat_grad)
+    mechanism, clipper = lsg_attached(model, rank=rank, sparsity=sparsity, layers=["0", "2"])
+    lsg = mechanism.lsg
     carrier_entries = sum(
         int(lsg.kept[view.storage_offset(): view.storage_offset() + view.numel()].sum())
         for module in lsg.adapted.values()
@@ -164,7 +173,7 @@ def test_kept_count_and_frozen_entries_exactly_zero_after_noise(sparsity, build)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     y = torch.randint(0, 3, (5,))
     private_step(model, clipper, optimizer, [(x, y)], cross_entropy_loss, 3.0, 5.0,
-                 torch.Generator().manual_seed(5), lsg=lsg)
+                 torch.Generator().manual_seed(5), mechanism=mechanism)
     for module, carriers in lsg.carriers.items():
         grad_left, grad_right = clipper.slots[module]["carrier_L"], clipper.slots[module]["carrier_R"]
         assert torch.all(grad_left[~carriers.kept_rows] == 0)
@@ -203,7 +212,10 @@ def digits_pipeline(mechanism, **lsg):
 
 def test_lsg_accounting_equals_dpsgd_and_it_learns():
     dpsgd, lsg = digits_pipeline("dpsgd"), digits_pipeline("lsg", rank=4, sparsity=0.5)
-    assert make_plan(dpsgd, 1438) == make_plan(lsg, 1438)
+    # The same plan but for the mechanism's name, and the same dp_event.
+    assert replace(make_plan(dpsgd, 1438), mechanism="lsg") == make_plan(lsg, 1438)
+    assert (make_plan(dpsgd, 1438).spend(10, 0).dp_event()
+            == make_plan(lsg, 1438).spend(10, 0).dp_event())
     plan = make_plan(lsg, 1438)
     torch.set_default_dtype(torch.float32)
     result = train(lsg, plan, LocalContext(on_epoch=lambda row: None))
@@ -220,13 +232,12 @@ def test_only_sgd_keeps_the_reconstructed_weight_update_low_rank(optimizer, low_
     by about lr * sign(dW) per coordinate: a full-rank update (why the SST-2 recipe uses SGD)."""
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 3))
-    lsg = lsg_for(model, rank=2, layers=["0"])
-    clipper = PerExampleClipper(model, 1.0, rules=lsg.rules)
-    lsg.bind(clipper.slots, clipper.flat_grad)
+    mechanism, clipper = lsg_attached(model, rank=2, layers=["0"])
     before = model[0].weight.detach().clone()
     optimizers = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
     x, y = torch.randn(6, 12), torch.randint(0, 3, (6,))
     private_step(model, clipper, optimizers[optimizer](model.parameters(), lr=0.01), [(x, y)],
-                 cross_entropy_loss, 1.0, 6.0, torch.Generator().manual_seed(7), lsg=lsg)
+                 cross_entropy_loss, 1.0, 6.0, torch.Generator().manual_seed(7),
+                 mechanism=mechanism)
     update_rank = torch.linalg.matrix_rank(model[0].weight.detach() - before, rtol=1e-8)
     assert (update_rank <= 2 * 2) == low_rank

@@ -2,6 +2,8 @@
 included), Hugging Face's schedules stepped once per logical step, and restored on resume.
 In-process, no Ray."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import get_scheduler
@@ -10,8 +12,7 @@ from raydp_train.data import load_data
 from raydp_train.models import build_model
 from raydp_train.pipeline import PipelineError, pipeline_from_dict
 from raydp_train.plan import make_plan
-from raydp_train.privacy.clipping import PerExampleClipper
-from raydp_train.privacy.lsg import LowRankSparseGradients
+from raydp_train.privacy.mechanism import LowRankSparse
 from raydp_train.train.context import LocalContext
 from raydp_train.train.optim import TrainingSetupError, make_optimizer, make_schedule
 from raydp_train.train.step import cross_entropy_loss, private_step
@@ -83,14 +84,13 @@ def test_param_group_lr_applies_to_lsg_adapted_weights():
     model, data = model_of(p)
     lsg_config = pipeline_from_dict({**BASE, "privacy": {
         **BASE["privacy"], "mechanism": "lsg", "lsg": {"rank": 2, "layers": ["1"]}}}).privacy.lsg
-    lsg = LowRankSparseGradients(model, lsg_config, torch.Generator().manual_seed(0))
-    clipper = PerExampleClipper(model, 1.0, rules=lsg.rules)
-    lsg.bind(clipper.slots, clipper.flat_grad)
+    mechanism = LowRankSparse(SimpleNamespace(lsg=lsg_config), torch.Generator().manual_seed(0))
+    clipper = mechanism.attach(model, 1.0)
     optimizer = make_optimizer(model, p.training)
     before = {name: t.detach().clone() for name, t in model.named_parameters()}
     batch = [(data.train_features[:8], data.train_labels[:8])]
     private_step(model, clipper, optimizer, batch, cross_entropy_loss, 0.0, 8.0,
-                 torch.Generator(), lsg=lsg)
+                 torch.Generator(), mechanism=mechanism)
     weight = model[1].weight
     assert weight.grad.abs().sum() > 0
     torch.testing.assert_close(weight.detach(), before["1.weight"] - 0.7 * weight.grad)

@@ -87,7 +87,7 @@ def test_epoch_ends_give_floor_of_epochs_over_q():
 
 
 def test_non_private_reference_steps_on_the_plain_mean_gradient():
-    from raydp_train.train.nonprivate import SummedGradients
+    from raydp_train.privacy.nonprivate import SummedGradients
 
     model, reference = make_model(), make_model()
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))

@@ -20,12 +20,12 @@ import dp_accounting
 
 from raydp_train.privacy.accounting import (
     composed_epsilon,
-    dpsgd_event,
     gaussian_release_event,
     make_accountant,
     repeat_and_select_event,
 )
 from raydp_train.privacy.ledger import LedgerCorruptError
+from raydp_train.privacy.mechanism import MECHANISMS, mechanism_named
 
 NAMESPACE = "raydp_train"
 # Recomputing the ledger's events after a restart must give the epsilon it recorded.
@@ -48,26 +48,32 @@ class BudgetTerms:
 
 @dataclass(frozen=True)
 class Spend:
-    """What one reservation counts: DP-SGD steps (q, sigma), noisy metric releases of
-    sensitivity 1, and for a random-stopping sweep the whole repeat-and-select event."""
+    """What one reservation counts: the mechanism's steps (q, sigma), noisy metric releases of
+    sensitivity 1, and for a random-stopping sweep (mean_trials > 0) the whole
+    repeat-and-select event of such trials."""
 
     sampling_rate: float
     noise_multiplier: float
     steps: int
     release_noise_multiplier: float = 0.0
     releases: int = 0
-    mechanism: str = "dpsgd"  # dpsgd | random_stopping
-    mean_trials: float = 0.0
+    mechanism: str = "dpsgd"  # a registered private mechanism (privacy/mechanism.py)
+    mean_trials: float = 0.0  # random stopping only
     shape: float = 0.0
+
+    @property
+    def random_stopping(self) -> bool:
+        return self.mean_trials > 0
 
     def dp_event(self) -> dp_accounting.DpEvent:
         parts = []
         if self.steps:
-            parts.append(dpsgd_event(self.sampling_rate, self.noise_multiplier, self.steps))
+            parts.append(mechanism_named(self.mechanism).dp_event(
+                self.sampling_rate, self.noise_multiplier, self.steps))
         if self.releases:
             parts.append(gaussian_release_event(self.release_noise_multiplier, self.releases))
         event = parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
-        if self.mechanism == "random_stopping":
+        if self.random_stopping:
             event = repeat_and_select_event(event, self.mean_trials, self.shape)
         return event
 
@@ -81,8 +87,10 @@ class Spend:
             problems.append(f"asks for nothing: steps={self.steps}, releases={self.releases}")
         if self.releases and not self.release_noise_multiplier > 0:
             problems.append("releases need release_noise_multiplier > 0")
-        if self.mechanism not in ("dpsgd", "random_stopping"):
-            problems.append(f"mechanism must be dpsgd or random_stopping, got {self.mechanism}")
+        private = sorted(name for name, cls in MECHANISMS.items() if cls.private)
+        if self.mechanism not in private:
+            problems.append(f"mechanism must be one of {', '.join(private)}, got "
+                            f"{self.mechanism}")
         if problems:
             raise BudgetError("invalid reservation: " + "; ".join(problems))
 
@@ -90,7 +98,7 @@ class Spend:
         text = f"{self.steps} steps at q={self.sampling_rate:.4g}, sigma={self.noise_multiplier:.4g}"
         if self.releases:
             text += f" + {self.releases} releases at sigma={self.release_noise_multiplier:.4g}"
-        if self.mechanism == "random_stopping":
+        if self.random_stopping:
             text = (f"a random-stopping sweep (mean {self.mean_trials:g} trials, shape "
                     f"{self.shape:g}) of {text} each")
         return text
@@ -166,7 +174,7 @@ class BudgetBook:
                 f"settle: {steps_done} steps / {releases_done} releases done do not fit "
                 f"reservation {reservation!r} of {held.spend.describe()}")
         used = replace(held.spend, steps=steps_done, releases=releases_done)
-        if held.spend.mechanism == "random_stopping":
+        if held.spend.random_stopping:
             used = held.spend  # the sweep's cost does not depend on how far its trials got
         accountant = self._counted()
         if used != held.spend:  # unused steps return: recompose what stays counted
@@ -247,10 +255,10 @@ class BudgetBook:
         held_now = self.reservations if reservations is None else reservations
         for number, held in enumerate(held_now.values()):
             spend = held.counted
-            if spend.mechanism == "random_stopping":
+            if spend.random_stopping:
                 merged[("random_stopping", number)] = spend  # each sweep is its own event
                 continue
-            key = ("dpsgd", spend.sampling_rate, spend.noise_multiplier,
+            key = (spend.mechanism, spend.sampling_rate, spend.noise_multiplier,
                    spend.release_noise_multiplier)
             if key in merged:
                 spend = replace(spend, steps=spend.steps + merged[key].steps,
@@ -277,8 +285,14 @@ def decision_of(row: dict) -> Decision:
                     row["budget_epsilon"])
 
 
+# Ledgers written before mechanisms were named recorded a random-stopping sweep of DP-SGD-
+# accounted trials as mechanism "random_stopping" (its mean_trials > 0 says it is one).
+_LEGACY_MECHANISMS = {"random_stopping": "dpsgd"}
+
+
 def _spend_of(row: dict) -> Spend:
-    return Spend(**{name: row[name] for name in Spend.__dataclass_fields__})
+    spend = Spend(**{name: row[name] for name in Spend.__dataclass_fields__})
+    return replace(spend, mechanism=_LEGACY_MECHANISMS.get(spend.mechanism, spend.mechanism))
 
 
 def replay(rows: list[dict], terms: BudgetTerms | None = None) -> BudgetBook:

@@ -44,7 +44,7 @@ LEDGER_SCHEMA = pa.schema([
     ("request_id", pa.string()),  # the caller's id: a retried call is answered, not redone
     ("owner", pa.string()),  # run or trial spending
     ("reservation", pa.string()),  # id of the reservation a settle row closes
-    ("mechanism", pa.string()),  # dpsgd | random_stopping
+    ("mechanism", pa.string()),  # dpsgd | lsg | ... ("random_stopping" in old ledgers)
     ("sampling_rate", pa.float64()),
     ("noise_multiplier", pa.float64()),
     ("steps", pa.int64()),  # reserve: steps asked; settle: steps actually run

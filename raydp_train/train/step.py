@@ -10,10 +10,11 @@ import torch
 from torch import Tensor, nn
 
 from raydp_train.privacy.clipping import PerExampleClipper
-from raydp_train.privacy.lsg import LowRankSparseGradients
+from raydp_train.privacy.mechanism import DpSgd, Mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
+DP_SGD = DpSgd()  # stateless: the default of a step whose clipper DP-SGD attached
 
 
 @dataclass
@@ -32,14 +33,14 @@ def private_step(
     expected_batch_size: float,
     noise_generator: torch.Generator,
     all_reduce_sum: Callable[[Tensor], None] = lambda tensor: None,
-    lsg: LowRankSparseGradients | None = None,
+    mechanism: Mechanism = DP_SGD,
 ) -> StepStats:
     """g^ = (N(0, noise_std^2 I) + sum_w sum_{i in S_w} clip(g_i)) / (q N).
 
     With W workers only rank 0 passes noise_std > 0; the one all-reduce sums the local
     clipped sums and that single draw. An empty local sample still joins the collective.
-    With LSG the gradient buffer holds carrier gradients: only their kept entries are
-    reduced (frozen ones end exactly 0) and they are mapped back to the weights.
+    The mechanism (the one that attached `clipper`) says what of the buffer is reduced and
+    how it reaches the parameters (LSG: kept carrier entries, mapped back to the weights).
     """
     # The step's noise draw (zeros on ranks > 0) is the starting value of the local sum.
     fill_gaussian_noise_(clipper.bind_grads(), noise_std, noise_generator)
@@ -48,17 +49,10 @@ def private_step(
         stats = clipper.accumulate(per_example_loss, model, features, labels)
         loss_sum += stats.losses.sum().item()
         count += labels.shape[0]
-    if lsg is None:
-        all_reduce_sum(clipper.flat_grad)
-    else:
-        kept = clipper.flat_grad[lsg.kept]
-        all_reduce_sum(kept)
-        clipper.flat_grad.zero_()
-        clipper.flat_grad[lsg.kept] = kept
+    mechanism.reduce(clipper, all_reduce_sum)
     # The expected batch size q*N, never |S|: |S| depends on the data.
     clipper.flat_grad.div_(expected_batch_size)
-    if lsg is not None:
-        lsg.write_weight_grads(clipper.slots)
+    mechanism.write_back(clipper)
     optimizer.step()
     return StepStats(loss_sum, count)
 

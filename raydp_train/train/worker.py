@@ -15,18 +15,11 @@ from raydp_train.data import load_data
 from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.models import build_model, tokenizer_source
 from raydp_train.plan import PrivacyPlan
-from raydp_train.privacy.clipping import PerExampleClipper
-from raydp_train.privacy.lsg import LowRankSparseGradients
-from raydp_train.privacy.noise import (
-    fill_gaussian_noise_,
-    make_generator,
-    make_noise_generator,
-    noise_std,
-)
+from raydp_train.privacy.mechanism import Mechanism, make_mechanism
+from raydp_train.privacy.noise import fill_gaussian_noise_, make_generator, make_noise_generator
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum
-from raydp_train.train.nonprivate import SummedGradients
 from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
 from raydp_train.train.step import cross_entropy_loss, private_step
 
@@ -52,14 +45,12 @@ class TrainResult:
     baselines: dict = field(default_factory=dict)  # Dataset.accuracy_baselines()
 
 
-def _low_rank_sparse(pipeline, model: nn.Module, context) -> LowRankSparseGradients | None:
-    """LSG state when the pipeline asks for it; every rank draws the same carriers."""
-    if pipeline.privacy.mechanism != "lsg":
-        return None
+def _mechanism(pipeline, context) -> Mechanism:
+    """The pipeline's mechanism; its own randomness (LSG's carriers) is the same on every
+    rank, from rank 0's seed."""
     seed = pipeline.run.seed
     shared_seed = context.gather(int.from_bytes(os.urandom(8), "little") if seed is None else seed)[0]
-    generator = torch.Generator().manual_seed(shared_seed)
-    return LowRankSparseGradients(model, pipeline.privacy.lsg, generator)
+    return make_mechanism(pipeline.privacy, torch.Generator().manual_seed(shared_seed))
 
 
 def epoch_ends(epochs: int, expected_batch_size: int, num_examples: int) -> list[int]:
@@ -85,18 +76,13 @@ def train(
     model = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes)
     model = model.to(context.device)
     context.broadcast_parameters(model)
-    lsg = _low_rank_sparse(pipeline, model, context)
+    mechanism = _mechanism(pipeline, context)
+    clipper = mechanism.attach(model, plan.clip_norm)  # may freeze what the mechanism does not train
     optimizer = make_optimizer(model, training)
     schedule = make_schedule(optimizer, training, plan.steps)  # counts logical steps
-    if pipeline.privacy.mechanism == "none":
-        clipper = SummedGradients(model)  # the non-private reference: no clipping, no noise
-    else:
-        clipper = PerExampleClipper(model, plan.clip_norm, rules=lsg.rules if lsg else None)
-    if lsg is not None:
-        lsg.bind(clipper.slots, clipper.flat_grad)
     noise_generator, noise_mode = make_noise_generator(pipeline.run.noise, seed, context.device)
     # Rank 0 alone draws the noise: ONE draw of std sigma*C per step for the whole world.
-    std = noise_std(plan.noise_multiplier, plan.clip_norm) if rank == 0 else 0.0
+    std = mechanism.noise_std(plan.noise_multiplier, plan.clip_norm) if rank == 0 else 0.0
     sampling_generator, _ = make_generator(None if seed is None else seed + 1 + rank)
 
     result = TrainResult(model=model, noise_mode=noise_mode,
@@ -108,8 +94,7 @@ def train(
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         step, first_epoch, result.metrics = state["step"], state["epoch"] + 1, state["metrics"]
-        if lsg is not None:
-            lsg.refresh(step, first_epoch, force=True)  # carriers of the restored weights
+        mechanism.refresh(step, first_epoch, force=True)  # state of the restored weights
     # After the restore: the cache holds what this rank's model computes, frozen from now on.
     per_example_loss, prefix_outputs, evaluate = _frozen_prefix_cache(
         training, model, dataset, shard)
@@ -127,14 +112,13 @@ def train(
         model.train()
         loss_sum, seen = 0.0, 0
         while step < ends[epoch - 1]:
-            if lsg is not None:
-                lsg.refresh(step, epoch)
+            mechanism.refresh(step, epoch)
             local = poisson_sample(len(shard), plan.sampling_rate, sampling_generator)
             batches = _micro_batches(dataset, shard, local, prefix_outputs,
                                      training.max_physical_batch, context.device)
             stats = private_step(
                 model, clipper, optimizer, batches, per_example_loss, std,
-                plan.expected_batch_size, noise_generator, context.all_reduce_sum, lsg,
+                plan.expected_batch_size, noise_generator, context.all_reduce_sum, mechanism,
             )
             schedule.step()  # once per logical step, whatever its number of micro-batches
             loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
@@ -161,12 +145,12 @@ def train(
         result.metrics.append(row)
         context.report(row, _checkpoint_state(model, optimizer, schedule, epoch, step,
                                               result.metrics))
-    trained = clipper.flat_grad if lsg is None else clipper.flat_grad[lsg.kept]
+    trained = mechanism.trained(clipper)
     result.final_step_sum_std = trained.std().item() * plan.expected_batch_size
     clipper.close()
     charged = context.charged()
     result.steps_done, result.steps_charged, result.releases_charged = step, *charged
-    result.trained_per_step = int(lsg.kept.sum()) if lsg is not None else clipper.num_parameters
+    result.trained_per_step = trained.numel()
     result.model_parameters = sum(p.numel() for p in model.parameters())
     result.checksums = context.gather(parameter_checksum(model))
     return result

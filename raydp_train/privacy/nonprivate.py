@@ -19,6 +19,8 @@ from raydp_train.privacy.clipping import MicroBatchStats
 class SummedGradients:
     def __init__(self, model: nn.Module):
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if not self.parameters:
+            raise ValueError("the model has no trainable parameters")
         first = self.parameters[0]
         self.flat_grad = torch.zeros(sum(p.numel() for p in self.parameters),
                                      dtype=first.dtype, device=first.device)

@@ -1,0 +1,160 @@
+"""Privacy mechanisms (ARCHITECTURE.md §2.8): what differs between DP-SGD, LSG and the
+non-private reference, and nothing else, behind one interface registered by name.
+
+What every mechanism shares stays where it is: Poisson sampling, micro-batching, the one noise
+draw on rank 0 (its std from `noise_std` here), the one all-reduce, the division by q*N, the
+noisy metric releases and the budget. A mechanism decides which per-example gradients are
+computed and clipped (`attach`), what of the flat gradient buffer is all-reduced and how it
+reaches the parameters (`reduce`, `write_back`), any state it derives from the weights
+(`refresh`, re-derived after a restore), and what one step costs (`dp_event`).
+
+No torch at module level: the budget's book asks `dp_event` here and must not load torch;
+`attach` imports what it builds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import dp_accounting
+
+from raydp_train.privacy.accounting import dpsgd_event
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from torch import Tensor, nn
+
+MECHANISMS: dict[str, type[Mechanism]] = {}
+
+
+def register_mechanism(cls: type[Mechanism]) -> type[Mechanism]:
+    """Class decorator: `privacy.mechanism: <cls.name>` selects `cls`."""
+    if cls.name in MECHANISMS:
+        raise ValueError(f"mechanism {cls.name!r} is already registered ({MECHANISMS[cls.name]})")
+    MECHANISMS[cls.name] = cls
+    return cls
+
+
+def mechanism_named(name: str) -> type[Mechanism]:
+    try:
+        return MECHANISMS[name]
+    except KeyError:
+        raise ValueError(f"privacy.mechanism: {name!r} is not a registered mechanism; "
+                         f"registered: {', '.join(sorted(MECHANISMS))}") from None
+
+
+def make_mechanism(privacy, generator: torch.Generator | None = None) -> Mechanism:
+    """The pipeline's mechanism, for one worker; `generator` draws any randomness of its own
+    (LSG's carriers), the same on every rank."""
+    return mechanism_named(privacy.mechanism)(privacy, generator)
+
+
+class Mechanism:
+    """DP-SGD's behaviour; other mechanisms override what they change."""
+
+    name: ClassVar[str]
+    label: ClassVar[str]  # what the run summary calls it
+    private: ClassVar[bool] = True  # False: no clipping, no noise, epsilon infinite
+    auditable: ClassVar[bool] = False  # `raydp-train audit` measures it
+
+    def __init__(self, privacy=None, generator: torch.Generator | None = None) -> None:
+        self.privacy, self.generator = privacy, generator
+
+    @classmethod
+    def dp_event(cls, sampling_rate: float, noise_multiplier: float,
+                 steps: int) -> dp_accounting.DpEvent:
+        """`steps` Poisson-subsampled Gaussian mechanisms on a sum of contributions of norm
+        at most C, noised with std sigma*C (ARCHITECTURE.md §2.5)."""
+        return dpsgd_event(sampling_rate, noise_multiplier, steps)
+
+    @staticmethod
+    def noise_std(noise_multiplier: float, clip_norm: float) -> float:
+        return noise_multiplier * clip_norm
+
+    def attach(self, model: nn.Module, clip_norm: float):
+        """The gradient engine of `model`: per-example gradients clipped to `clip_norm` and
+        summed into one flat buffer bound as the trained parameters' `.grad`."""
+        from raydp_train.privacy.clipping import PerExampleClipper
+
+        return PerExampleClipper(model, clip_norm)
+
+    def refresh(self, step: int, epoch: int, force: bool = False) -> None:
+        """Re-derive state that depends on the weights (every step, or when forced after a
+        restore)."""
+
+    def reduce(self, engine, all_reduce_sum: Callable[[Tensor], None]) -> None:
+        """Sum the buffer (noise on rank 0 + local clipped sums) over the workers, in place."""
+        all_reduce_sum(engine.flat_grad)
+
+    def write_back(self, engine) -> None:
+        """Turn the reduced, normalized buffer into the parameters' gradients (here it
+        already is: the buffer is their `.grad`)."""
+
+    def trained(self, engine) -> Tensor:
+        """The numbers one step trains (and all-reduces)."""
+        return engine.flat_grad
+
+
+@register_mechanism
+class DpSgd(Mechanism):
+    """Per-example clipping of every trained parameter's gradient, one noise draw per step
+    (Abadi et al. 2016)."""
+
+    name, label, auditable = "dpsgd", "DP-SGD", True
+
+
+@register_mechanism
+class LowRankSparse(Mechanism):
+    """LSG (Ito et al. 2022): adapted weights train through low-rank carriers whose kept
+    entries alone are clipped, reduced and noised, then mapped back to the weights
+    (ARCHITECTURE.md §2.4)."""
+
+    name, label = "lsg", "LSG"
+
+    def attach(self, model: nn.Module, clip_norm: float):
+        from raydp_train.privacy.clipping import PerExampleClipper
+        from raydp_train.privacy.lsg import LowRankSparseGradients
+
+        self.lsg = LowRankSparseGradients(model, self.privacy.lsg, self.generator)
+        engine = PerExampleClipper(model, clip_norm, rules=self.lsg.rules)
+        self.lsg.bind(engine.slots, engine.flat_grad)
+        return engine
+
+    def refresh(self, step: int, epoch: int, force: bool = False) -> None:
+        self.lsg.refresh(step, epoch, force=force)
+
+    def reduce(self, engine, all_reduce_sum: Callable[[Tensor], None]) -> None:
+        # Only kept entries carry signal or noise; frozen ones end exactly 0.
+        kept = engine.flat_grad[self.lsg.kept]
+        all_reduce_sum(kept)
+        engine.flat_grad.zero_()
+        engine.flat_grad[self.lsg.kept] = kept
+
+    def write_back(self, engine) -> None:
+        self.lsg.write_weight_grads(engine.slots)
+
+    def trained(self, engine) -> Tensor:
+        return engine.flat_grad[self.lsg.kept]
+
+
+@register_mechanism
+class NonPrivate(Mechanism):
+    """The non-private reference: plain summed gradients, no clipping, no noise."""
+
+    name, label, private = "none", "NON-PRIVATE SGD", False
+
+    @classmethod
+    def dp_event(cls, sampling_rate: float, noise_multiplier: float,
+                 steps: int) -> dp_accounting.DpEvent:
+        return dp_accounting.NonPrivateDpEvent()
+
+    @staticmethod
+    def noise_std(noise_multiplier: float, clip_norm: float) -> float:
+        return 0.0
+
+    def attach(self, model: nn.Module, clip_norm: float):
+        from raydp_train.privacy.nonprivate import SummedGradients
+
+        return SummedGradients(model)
