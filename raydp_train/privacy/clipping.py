@@ -20,8 +20,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from raydp_train.privacy.layer_rules import LayerCalls, UnsupportedLayerError, rule_for
+from raydp_train.privacy import layer_rules  # noqa: F401 -- importing it registers the built-in rules
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
+from raydp_train.privacy.rule_registry import (
+    LayerCalls,
+    UnsupportedLayerError,
+    rule_for,
+    supported_layers,
+)
 
 __all__ = [
     "BatchDimensionError", "MicroBatchStats", "ParameterUseError", "PerExampleClipper",
@@ -346,9 +352,8 @@ def _covered_layers(model: nn.Module, rules: dict) -> list:
         if rule is None:
             raise UnsupportedLayerError(
                 f"module '{label}' ({type(module).__name__}) owns trainable parameters "
-                "but per-example clipping has no rule for it; supported: Linear, Conv1d, "
-                "Conv2d, Embedding, LayerNorm, RMSNorm, GroupNorm. Freeze it "
-                "(requires_grad=False) or replace it"
+                f"but per-example clipping has no rule for it; supported: {supported_layers()}. "
+                "Freeze it (requires_grad=False) or replace it"
             )
         rule.check(module, label)
         for p in params:

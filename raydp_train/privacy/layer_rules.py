@@ -1,49 +1,22 @@
-"""Per-layer rules for the one-backward clipped sum (ARCHITECTURE.md §2.3).
+"""The built-in layer rules (ARCHITECTURE.md §2.3); what a rule does is in rule_registry.py.
 
-A rule names the gradient slots of a module (`slot_shapes`: by default its trainable
-parameters) and turns what the hooks recorded -- the input of every call and the gradient of
-the summed loss with respect to that call's output -- into
-  * `squared_norms`: the per-example squared gradient norm over the module's slots, [B];
-  * `add_clipped_sum`: sum_i c_i * grad_i for each slot, added into the slot's buffer.
-A module called several times in one forward is handled by concatenating its calls along
-the token axis: grad_i = sum over calls, which is exactly what the concatenation computes.
+Linear and the convolutions share the Linear rule's one-matmul clipped sum and Gram shortcut;
+Embedding sums rows per (example, id); the normalization layers, with few parameters,
+materialize their per-example gradients. Each rule registers itself for its layers.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-class UnsupportedLayerError(TypeError):
-    """A module owns trainable parameters the clipping engine cannot handle."""
-
-
-@dataclass
-class LayerCalls:
-    """What the hooks recorded for one module during one forward/backward."""
-
-    inputs: list[Tensor] = field(default_factory=list)
-    output_grads: list[Tensor | None] = field(default_factory=list)
-    # Each input's version counter when the layer ran: an in-place change after that would
-    # make the recorded input (a detached alias) differ from what the layer saw.
-    input_versions: list[int] = field(default_factory=list)
-    # Filled by squared_norms, reused by add_clipped_sum (same backward pass).
-    state: dict = field(default_factory=dict)
-
-
-class Rule:
-    """Defaults shared by the rules: one slot per trainable parameter, nothing to check."""
-
-    def check(self, module: nn.Module, name: str) -> None:
-        pass
-
-    def slot_shapes(self, module: nn.Module) -> dict[str, torch.Size]:
-        return {n: p.shape for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-
+from raydp_train.privacy.rule_registry import (
+    LayerCalls,
+    Rule,
+    UnsupportedLayerError,
+    register_rule,
+)
 
 # ---------------------------------------------------------------------------- Linear family
 
@@ -126,6 +99,7 @@ def _cat_tokens(tensors: list[Tensor]) -> Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, 1)
 
 
+@register_rule(nn.Linear)
 class LinearRule(Rule):
     """nn.Linear: input [B, ..., m], output gradient [B, ..., n]."""
 
@@ -195,6 +169,7 @@ class LinearRule(Rule):
             )
 
 
+@register_rule(nn.Conv1d, nn.Conv2d)
 class ConvRule(LinearRule):
     """nn.Conv1d / nn.Conv2d: unfold the input into patches, then the Linear rule applies."""
 
@@ -242,6 +217,7 @@ def _pad_same(x: Tensor, kernel, dilation) -> Tensor:
 # ---------------------------------------------------------------------------- Embedding
 
 
+@register_rule(nn.Embedding)
 class EmbeddingRule(Rule):
     """nn.Embedding: grad_i[v] = sum of G_i[t] over the tokens t with id v.
 
@@ -318,6 +294,7 @@ def _drop_padded_tokens(x: Tensor, g: Tensor, normalized_dims: int) -> tuple[Ten
     return x, g
 
 
+@register_rule(nn.LayerNorm)
 class LayerNormRule(MaterializedRule):
     """gamma_i = sum_t G_i[t] * xhat_i[t], beta_i = sum_t G_i[t] over the non-normalized axes."""
 
@@ -331,6 +308,7 @@ class LayerNormRule(MaterializedRule):
         return grads
 
 
+@register_rule(nn.RMSNorm)
 class RMSNormRule(MaterializedRule):
     """gamma_i = sum_t G_i[t] * x_i[t] / rms(x_i[t])."""
 
@@ -341,6 +319,7 @@ class RMSNormRule(MaterializedRule):
         return {"weight": _sum_to_parameter(g * normalized, len(shape))}
 
 
+@register_rule(nn.GroupNorm)
 class GroupNormRule(MaterializedRule):
     """gamma_i[c] = sum over positions of G_i[c] * xhat_i[c]; beta_i[c] = sum of G_i[c]."""
 
@@ -354,6 +333,7 @@ class GroupNormRule(MaterializedRule):
         }
 
 
+@register_rule("transformers.pytorch_utils.Conv1D")
 class TransposedLinearRule(LinearRule):
     """Hugging Face's GPT-2 `Conv1D`: y = x W + b with W stored [in, out], i.e. a Linear
     whose weight is transposed; the clipped sum is written through the transposed view."""
@@ -361,28 +341,3 @@ class TransposedLinearRule(LinearRule):
         transposed = {**slots, "weight": slots["weight"].t()} if "weight" in slots else slots
         super().add_clipped_sum(module, calls, clip_factors, transposed)
 
-
-RULES: dict[type, object] = {
-    nn.Linear: LinearRule(),
-    nn.Conv1d: ConvRule(),
-    nn.Conv2d: ConvRule(),
-    nn.Embedding: EmbeddingRule(),
-    nn.LayerNorm: LayerNormRule(),
-    nn.RMSNorm: RMSNormRule(),
-    nn.GroupNorm: GroupNormRule(),
-}
-
-
-# Layers of libraries we do not import here, by their qualified class name.
-RULES_BY_NAME: dict[str, object] = {
-    "transformers.pytorch_utils.Conv1D": TransposedLinearRule(),
-}
-
-
-def rule_for(module: nn.Module):
-    """The rule of the module's type; subclasses qualify only if they keep its forward."""
-    for cls in type(module).__mro__:
-        rule = RULES.get(cls) or RULES_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
-        if rule is not None:
-            return rule if type(module).forward is cls.forward else None
-    return None

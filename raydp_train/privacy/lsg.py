@@ -21,14 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from raydp_train.privacy.layer_rules import (
-    LayerCalls,
-    LinearRule,
-    UnsupportedLayerError,
-    add_linear_clipped_sum,
-    linear_weight_norm,
-    rule_for,
-)
+from raydp_train.privacy.layer_rules import LinearRule, add_linear_clipped_sum, linear_weight_norm
+from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError, rule_for
 
 
 class LsgConfigError(ValueError):
@@ -68,8 +62,10 @@ class Carriers:
     kept_columns: Tensor  # bool [m]
 
 
-class LowRankRule:
-    """Clipping rule of an adapted Linear/Conv: slots `carrier_L`, `carrier_R` (+ `bias`)."""
+class LowRankRule(Rule):
+    """Clipping rule of an adapted Linear/Conv: slots `carrier_L`, `carrier_R` (+ `bias`).
+    Not registered for a layer type: LSG hands it to the engine for the modules it adapts,
+    wrapping the Linear/Conv rule the registry gives them."""
 
     def __init__(self, base: LinearRule, carriers: dict[nn.Module, Carriers]):
         self.base, self.carriers = base, carriers

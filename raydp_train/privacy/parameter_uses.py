@@ -21,7 +21,7 @@ from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from raydp_train.privacy.layer_rules import UnsupportedLayerError
+from raydp_train.privacy.rule_registry import UnsupportedLayerError
 
 
 class ParameterUseError(UnsupportedLayerError):

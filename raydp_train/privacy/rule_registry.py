@@ -1,0 +1,112 @@
+"""What a layer rule is, and which rule serves which layer (ARCHITECTURE.md §2.3).
+
+A rule names the gradient slots of a module (`slot_shapes`: by default its trainable
+parameters) and turns what the hooks recorded -- the input of every call and the gradient of
+the summed loss with respect to that call's output -- into
+  * `squared_norms`: the per-example squared gradient norm over the module's slots, [B];
+  * `add_clipped_sum`: sum_i c_i * grad_i for each slot, added into the slot's buffer.
+A module called several times in one forward is handled by concatenating its calls along
+the token axis: grad_i = sum over calls, which is exactly what the concatenation computes.
+
+Rules register themselves for their layers with `@register_rule` (as Opacus's grad samplers
+do); layer_rules.py registers the built-in ones when it is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+
+class UnsupportedLayerError(TypeError):
+    """A module owns trainable parameters the clipping engine cannot handle."""
+
+
+@dataclass
+class LayerCalls:
+    """What the hooks recorded for one module during one forward/backward."""
+
+    inputs: list[Tensor] = field(default_factory=list)
+    output_grads: list[Tensor | None] = field(default_factory=list)
+    # Each input's version counter when the layer ran: an in-place change after that would
+    # make the recorded input (a detached alias) differ from what the layer saw.
+    input_versions: list[int] = field(default_factory=list)
+    # Filled by squared_norms, reused by add_clipped_sum (same backward pass).
+    state: dict = field(default_factory=dict)
+
+
+class Rule:
+    """Per-example squared norms and clipped sums of one kind of layer.
+
+    The engine calls `check` and `slot_shapes` once per module when it is built, then, for
+    every micro-batch, `squared_norms` of every used module and, once the clip factors
+    c_i = min(1, C / ||g_i||) are known, `add_clipped_sum` in the same backward.
+    """
+
+    def check(self, module: nn.Module, name: str) -> None:
+        """Raise UnsupportedLayerError, naming the module `name`, for settings the rule cannot
+        handle; by default there are none."""
+
+    def slot_shapes(self, module: nn.Module) -> dict[str, torch.Size]:
+        """The module's gradient slots by name; by default one per trainable parameter."""
+        return {n: p.shape for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+    def squared_norms(self, module: nn.Module, calls: LayerCalls, slots: dict[str, Tensor],
+                      gram_cache: dict) -> Tensor:
+        """||grad_i||^2 summed over the slots, [B], from the recorded `calls`. What the clipped
+        sum reuses goes into `calls.state`; `gram_cache` holds input Grams a a^T shared by the
+        layers of one backward."""
+        raise NotImplementedError(f"{type(self).__name__}.squared_norms")
+
+    def add_clipped_sum(self, module: nn.Module, calls: LayerCalls, clip_factors: Tensor,
+                        slots: dict[str, Tensor]) -> None:
+        """slots[s] += sum_i clip_factors[i] * grad_i[s] for every slot s."""
+        raise NotImplementedError(f"{type(self).__name__}.add_clipped_sum")
+
+
+# A layer class, or the qualified name of a class of a library not imported here.
+_RULES: dict[type | str, Rule] = {}
+
+
+def _qualified_name(layer: type | str) -> str:
+    return layer if isinstance(layer, str) else f"{layer.__module__}.{layer.__qualname__}"
+
+
+def register_rule(*layers: type | str) -> Callable[[type[Rule]], type[Rule]]:
+    """Class decorator: an instance of the Rule serves each of `layers` (classes, or qualified
+    class names such as "transformers.pytorch_utils.Conv1D"). One rule per layer."""
+
+    def register(rule_class: type[Rule]) -> type[Rule]:
+        if not issubclass(rule_class, Rule):
+            raise TypeError(f"@register_rule decorates Rule subclasses, got {rule_class!r}")
+        for layer in layers:
+            name = _qualified_name(layer)
+            taken = {_qualified_name(known): rule for known, rule in _RULES.items()}
+            if name in taken:
+                raise ValueError(
+                    f"layer {name} already has a rule ({type(taken[name]).__name__}); "
+                    f"cannot register {rule_class.__name__} for it too"
+                )
+            _RULES[layer] = rule_class()
+        return rule_class
+
+    return register
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The rule of the module's type; subclasses qualify only if they keep its forward."""
+    for cls in type(module).__mro__:
+        rule = _RULES.get(cls) or _RULES.get(_qualified_name(cls))
+        if rule is not None:
+            return rule if type(module).forward is cls.forward else None
+    return None
+
+
+def supported_layers() -> str:
+    """The registered layers, sorted: class names, and full names of classes not imported."""
+    return ", ".join(sorted(
+        layer if isinstance(layer, str) else layer.__name__ for layer in _RULES
+    ))
