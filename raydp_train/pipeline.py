@@ -232,15 +232,32 @@ class LsgConfig(Section):
     sparsity_start_epoch: int = Field(0, ge=0)  # sparsity applies after this epoch
 
 
+class LoraConfig(Section):
+    """DP-LoRA's adapters (ARCHITECTURE.md §2.9; Yu et al. 2022), made by peft."""
+
+    rank: int = Field(8, ge=1)  # r: A (r x in), B (out x r)
+    alpha: float = Field(16.0, gt=0)  # the update is (alpha / r) B A
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input
+    # Linear module-name patterns (fnmatch); default: trainable Linear layers with
+    # min(in, out) > rank (not a 2-output head)
+    layers: list[str] | None = Field(None, min_length=1)
+    train_other: Literal["dpsgd", "freeze"] = "dpsgd"  # biases, norms, heads, embeddings
+
+
+# Each mechanism's own settings section, named after it (privacy/mechanism.py).
+MECHANISM_SETTINGS = {"lsg": LsgConfig, "lora": LoraConfig}
+
+
 class PrivacyConfig(Section):
     # none: the non-private reference (no clipping, no noise, epsilon infinite)
-    mechanism: Literal["dpsgd", "lsg", "none"] = "dpsgd"
+    mechanism: Literal["dpsgd", "lsg", "lora", "none"] = "dpsgd"
     clip_norm: float = Field(1.0, gt=0)
     noise_multiplier: float | None = Field(None, gt=0)
     target_epsilon: float | None = Field(None, gt=0)  # noise_multiplier is then calibrated
     delta: float = Field(1e-5, gt=0, lt=1)
     accountant: Literal["rdp", "pld"] = "rdp"
     lsg: LsgConfig | None = None  # used when mechanism is lsg (defaults if omitted)
+    lora: LoraConfig | None = None  # used when mechanism is lora (defaults if omitted)
 
     @model_validator(mode="after")
     def _one_noise_spec(self) -> PrivacyConfig:
@@ -250,10 +267,11 @@ class PrivacyConfig(Section):
                                    "target_epsilon", "mechanism")
             return self
         exactly_one(self, "noise_multiplier", "target_epsilon", None)
-        if self.mechanism == "lsg" and self.lsg is None:
-            self.lsg = LsgConfig()
-        if self.mechanism == "dpsgd" and self.lsg is not None:
-            raise FieldProblem("only allowed with mechanism: lsg", "lsg")
+        for name, settings in MECHANISM_SETTINGS.items():
+            if getattr(self, name) is not None and self.mechanism != name:
+                raise FieldProblem(f"only allowed with mechanism: {name}", name)
+            if self.mechanism == name and getattr(self, name) is None:
+                setattr(self, name, settings())
         return self
 
 
@@ -301,9 +319,11 @@ def _check_tune(p: Pipeline) -> None:
     if "privacy.noise_multiplier" in space and p.privacy.noise_multiplier is None:
         raise FieldProblem("searching privacy.noise_multiplier needs privacy.noise_multiplier "
                            "set, not target_epsilon", "tune.search_space")
-    if any(key.startswith("privacy.lsg.") for key in space) and p.privacy.mechanism != "lsg":
-        raise FieldProblem("searching privacy.lsg fields needs privacy.mechanism: lsg",
-                           "tune.search_space")
+    for name in MECHANISM_SETTINGS:
+        if any(key.startswith(f"privacy.{name}.") for key in space) and (
+                p.privacy.mechanism != name):
+            raise FieldProblem(f"searching privacy.{name} fields needs privacy.mechanism: "
+                               f"{name}", "tune.search_space")
     if p.tune.selection == "random_stopping" and p.budget.accountant != "rdp":
         raise FieldProblem("random_stopping is accounted with RDP only (Papernot & Steinke): "
                            "use budget.accountant: rdp", "tune.selection")

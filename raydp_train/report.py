@@ -19,6 +19,7 @@ import torch
 from raydp_train.pipeline import Pipeline, PipelineError, dump_pipeline
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.ledger import as_uri
+from raydp_train.privacy.mechanism import mechanism_named
 from raydp_train.privacy.noise import NOISE_SOURCES
 
 
@@ -125,10 +126,13 @@ def write_run_record(
     }
     path = run_dir / "record.json"
     path.write_text(json.dumps(record, indent=2))
-    torch.save(result.model.state_dict(), run_dir / "model.pt")
+    mechanism = mechanism_named(pipeline.privacy.mechanism)
+    model = mechanism.released(result.model)  # the architecture the pipeline built
+    torch.save(model.state_dict(), run_dir / "model.pt")
     if pipeline.model.kind == "hf":
-        save_hf_model(result.model, pipeline.model, run_dir / "model",
+        save_hf_model(model, pipeline.model, run_dir / "model",
                       getattr(pipeline.data, "label_names", None))
+    mechanism.save_extras(result.model, run_dir)
     return path
 
 

@@ -258,5 +258,5 @@ def test_the_ledger_records_the_mechanism_and_old_ledgers_replay(tmp_path):
     # "random_stopping": they replay to the epsilon they recorded.
     rows[2]["mechanism"] = "random_stopping"
     assert replay(rows).recomposed_epsilon() == pytest.approx(expected, rel=1e-9)
-    with pytest.raises(BudgetError, match="mechanism must be one of dpsgd, lsg, got none"):
+    with pytest.raises(BudgetError, match="mechanism must be one of dpsgd, lora, lsg, got none"):
         budget.reserve("c", "reference", Spend(0.02, 1.2, 200, mechanism="none"))

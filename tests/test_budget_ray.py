@@ -132,6 +132,8 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
                  "budget.name=test-random-stopping", "budget.epsilon=20", "training.epochs=1",
                  "tune.selection=random_stopping", "tune.random_stopping={mean_trials: 2}",
                  "tune.max_concurrent_trials=2", "run.seed=5",
+                 # Its trials are DP-LoRA's: a sweep and its budget take any mechanism.
+                 "privacy.mechanism=lora", "privacy.lora={rank: 4, layers: ['1']}",
                  # A parameter group's lr is searched like any field (the head: layer 3).
                  "training.param_groups=[{params: ['3.*'], lr: 0.01}]",
                  ("tune.search_space={privacy.noise_multiplier: {choice: [1.2, 1.5, 2.0]}, "
@@ -144,8 +146,8 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
     assert all(0.003 <= t["training.param_groups[0].lr"] <= 0.03 for t in summary["trials"])
     assert not [t["error"] for t in summary["trials"] if "error" in t]  # each trial applied it
     rows = ledger_rows("test-random-stopping", f"{tmp_path}/budgets")
-    # One random-stopping reservation (mean_trials > 0) of DP-SGD trials, settled in full.
+    # One random-stopping reservation (mean_trials > 0) of DP-LoRA trials, settled in full.
     assert [(r["kind"], r["mechanism"], r["mean_trials"]) for r in rows[1:]] == [
-        ("reserve", "dpsgd", 2.0), ("settle", "dpsgd", 2.0)]
+        ("reserve", "lora", 2.0), ("settle", "lora", 2.0)]
     assert rows[1]["noise_multiplier"] == 1.2  # the costliest trial the space allows
     assert summary["privacy"]["epsilon"] == pytest.approx(rows[1]["running_epsilon"])

@@ -112,20 +112,26 @@ def _files_holding(text: str, *folders: Path) -> list[Path]:
             if f.is_file() and needle in f.read_bytes()]
 
 
-def test_lsg_fine_tuning_on_two_workers_saves_a_reloadable_model(ray_session, tmp_path, capsys):
+MECHANISMS = {"lsg": {"lsg": {"rank": 4, "sparsity": 0.25}},
+              "lora": {"lora": {"rank": 4, "layers": ["*attention.self.query", "*value"]}}}
+
+
+@pytest.mark.parametrize("mechanism", list(MECHANISMS))
+def test_fine_tuning_on_two_workers_saves_a_reloadable_model(mechanism, ray_session, tmp_path,
+                                                             capsys):
     _text_parquet(tmp_path / "train.parquet")
     table = pq.read_table(tmp_path / "train.parquet").to_pylist()
     table[7]["sentence"] = CANARY  # a training example that must never reach records or logs
     pq.write_table(pa.Table.from_pylist(table), tmp_path / "train.parquet")
     _text_parquet(tmp_path / "test.parquet", rows=60)
     pipeline = {
-        "name": "tiny-bert-lsg",
+        "name": f"tiny-bert-{mechanism}",
         "data": {"source": "parquet", "path": str(tmp_path / "train.parquet"),
                  "test_path": str(tmp_path / "test.parquet"), "text_column": "sentence",
                  "max_length": 12},
         "model": {"kind": "hf", "name_or_path": MINILM, "config": TINY_BERT, "num_labels": 2},
-        "privacy": {"mechanism": "lsg", "noise_multiplier": 1.0, "clip_norm": 1.0,
-                    "delta": 1e-4, "lsg": {"rank": 4, "sparsity": 0.25}},
+        "privacy": {"mechanism": mechanism, "noise_multiplier": 1.0, "clip_norm": 1.0,
+                    "delta": 1e-4, **MECHANISMS[mechanism]},
         "training": {"epochs": 2, "batch_size": 40, "workers": 2, "optimizer": "adam",
                      "lr": 0.01},
         "run": {"output_dir": str(tmp_path / "runs"), "seed": 0},
@@ -138,10 +144,13 @@ def test_lsg_fine_tuning_on_two_workers_saves_a_reloadable_model(ray_session, tm
     assert record["raydp_train_version"] == importlib.metadata.version("raydp-train")
     assert record["training"]["trained_numbers_per_step"] < record["training"]["model_parameters"]
 
+    # model.pt and model/ hold the same weights (DP-LoRA's merged into the base layers).
     reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(run_dir / "model")
     trained = torch.load(run_dir / "model.pt")
+    assert set(trained) == {f"model.{name}" for name in reloaded.state_dict()}
     for name, value in reloaded.state_dict().items():
         torch.testing.assert_close(value, trained[f"model.{name}"])
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file() == (mechanism == "lora")
     assert (run_dir / "model" / "tokenizer.json").is_file()
     output = capsys.readouterr()
     assert "test accuracy" in output.out

@@ -76,7 +76,7 @@ def test_a_fourth_mechanism_is_one_registered_class(head_only):
 def test_the_registry_refuses_a_second_mechanism_of_one_name_and_names_the_registered():
     with pytest.raises(ValueError, match="'dpsgd' is already registered"):
         register_mechanism(type("Again", (DpSgd,), {}))
-    with pytest.raises(ValueError, match="registered: dpsgd, lsg, none"):
+    with pytest.raises(ValueError, match="registered: dpsgd, lora, lsg, none"):
         mechanism_named("nope")
 
 
@@ -95,7 +95,7 @@ def test_the_non_private_reference_spends_nothing_from_a_budget_and_has_no_epsil
         "name": "digits", "data": {"source": "sklearn_digits"}, "model": {"kind": "mlp"},
         "privacy": {"mechanism": "none"}, "training": {"epochs": 1, "batch_size": 128}}), 1438)
     assert not plan.private and plan.noise_multiplier == 0 and plan.epsilon() == float("inf")
-    with pytest.raises(BudgetError, match="mechanism must be one of dpsgd, lsg, got none"):
+    with pytest.raises(BudgetError, match="mechanism must be one of dpsgd, lora, lsg, got none"):
         Spend(0.1, 1.0, 10, mechanism="none").check()
 
 

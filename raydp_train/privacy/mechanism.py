@@ -22,6 +22,7 @@ from raydp_train.privacy.accounting import dpsgd_event
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
 
     import torch
     from torch import Tensor, nn
@@ -96,6 +97,15 @@ class Mechanism:
         """The numbers one step trains (and all-reduces)."""
         return engine.flat_grad
 
+    @staticmethod
+    def released(model: nn.Module) -> nn.Module:
+        """The model as saved: the one that trained (LoRA: its adapters merged)."""
+        return model
+
+    @staticmethod
+    def save_extras(model: nn.Module, folder: Path) -> None:
+        """Files a run directory holds besides the model (LoRA: the adapters alone)."""
+
 
 @register_mechanism
 class DpSgd(Mechanism):
@@ -137,6 +147,36 @@ class LowRankSparse(Mechanism):
 
     def trained(self, engine) -> Tensor:
         return engine.flat_grad[self.lsg.kept]
+
+
+@register_mechanism
+class LowRankAdapters(Mechanism):
+    """DP-LoRA (Yu et al. 2022): peft's adapters on chosen Linear layers, base weights frozen;
+    the adapters (plain Linear layers) are clipped and noised as DP-SGD clips and noises
+    (ARCHITECTURE.md §2.9). Released: the merged model, and the adapters alone."""
+
+    name, label = "lora", "DP-LoRA"
+
+    def attach(self, model: nn.Module, clip_norm: float):
+        import torch
+
+        from raydp_train.privacy.lora import add_adapters
+
+        seed = int(torch.randint(2**62, (1,), generator=self.generator))  # the same on every rank
+        add_adapters(model, self.privacy.lora, seed)
+        return super().attach(model, clip_norm)
+
+    @staticmethod
+    def released(model: nn.Module) -> nn.Module:
+        from raydp_train.privacy.lora import merged
+
+        return merged(model)
+
+    @staticmethod
+    def save_extras(model: nn.Module, folder: Path) -> None:
+        from raydp_train.privacy.lora import save_adapter
+
+        save_adapter(model, folder / "adapter")
 
 
 @register_mechanism
