@@ -1,5 +1,6 @@
-"""SST-2 test accuracy of the shipped MiniLM pipelines: non-private, DP-SGD, LSG and the private
-linear probe (the floor fine-tuning must beat), 3 seeds at epsilon 3 and one at epsilon 8.
+"""SST-2 test accuracy of the shipped MiniLM pipelines: non-private, DP-SGD, LSG, DP-LoRA and
+the private linear probe (the floor fine-tuning must beat), 3 seeds at epsilon 3 and one at
+epsilon 8.
 
     .venv/bin/python benchmarks/sst2_accuracy.py                 (hours on 2 cores)
     .venv/bin/python benchmarks/sst2_accuracy.py --only probe-eps3 lsg-eps3
@@ -39,6 +40,8 @@ VARIANTS = {
     "dpsgd-eps8": ("sst2_minilm_dpsgd.yaml", EPS8, SEED1),
     "lsg-eps3": ("sst2_minilm_lsg.yaml", EPS3, SEEDS3),
     "lsg-eps8": ("sst2_minilm_lsg.yaml", EPS8, SEED1),
+    "lora-eps3": ("sst2_minilm_lora.yaml", EPS3, SEEDS3),
+    "lora-eps8": ("sst2_minilm_lora.yaml", EPS8, SEED1),
 }
 BEFORE = (
     "Before issue 15 (0.1.0's recipes: [CLS] pooler, last 2 layers + head, expected batch 256, "

@@ -191,11 +191,13 @@ def cpu_wait_seconds() -> float:
 
 
 def time_variants(workload: Workload, warmup: int, block: int,
-                  variants: list[str] | None = None) -> tuple[dict, float]:
-    """Per variant (all, or the named ones): step times in seconds (each a block's time / its
-    steps), or 'n/a (reason)' if it cannot run; and the fraction of the timed wall time during
-    which some task waited for a CPU. Blocks of consecutive steps run round-robin."""
-    chosen = {name: VARIANTS[name] for name in (variants or VARIANTS)}
+                  variants: list[str] | None = None, more: dict | None = None) -> tuple[dict, float]:
+    """Per variant (all, or the named ones; `more`: other name -> builder): step times in
+    seconds (each a block's time / its steps), or 'n/a (reason)' if it cannot run; and the
+    fraction of the timed wall time during which some task waited for a CPU. Blocks of
+    consecutive steps run round-robin."""
+    known = {**VARIANTS, **(more or {})}
+    chosen = {name: known[name] for name in (variants or known)}
     blocks: dict[str, Block] = {}
     failures: dict[str, str] = {}
     for name, build in chosen.items():
