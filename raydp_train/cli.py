@@ -17,6 +17,7 @@ from raydp_train.plan import PlanError
 from raydp_train.privacy.budget import BudgetError
 from raydp_train.privacy.clipping import UnsupportedLayerError
 from raydp_train.privacy.ledger import LedgerError
+from raydp_train.privacy.lora import LoraSetupError
 from raydp_train.privacy.lsg import LsgConfigError
 from raydp_train.quiet import quiet_third_party
 from raydp_train.resources import ResourceError
@@ -24,7 +25,7 @@ from raydp_train.resources import ResourceError
 # Problems with the user's input: printed as one clear message, never as a traceback.
 USER_ERRORS = (
     PipelineError, DataError, PlanError, ModelError, UnsupportedLayerError, LsgConfigError,
-    BudgetError, LedgerError, HFModelError, ResourceError,
+    LoraSetupError, BudgetError, LedgerError, HFModelError, ResourceError,
 )
 # `run` and `tune` exit with this when the global budget refused to let them finish.
 EXIT_BUDGET_EXHAUSTED = 3

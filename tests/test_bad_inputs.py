@@ -206,6 +206,9 @@ CASES = {
          setting("model", {"kind": "logistic", "num_classes": 2})),
         ("model.num_classes: 2 classes, but data.label_names names 3",)),
     # --- models
+    "lora-layers-match-nothing": Case(
+        ("privacy.mechanism=lora", "privacy.lora={layers: ['nope*']}"),
+        ("privacy.lora.layers: patterns ['nope*'] match no trainable Linear layer",)),
     "cnn-on-tabular-data": Case((setting("model", {"kind": "cnn"}),),
                                 ("model.kind: 'cnn' needs image features",)),
     "hf-model-on-numeric-data": Case((hf(),), ("model.kind: 'hf' needs text data",)),
