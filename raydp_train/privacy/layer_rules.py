@@ -242,7 +242,7 @@ class EmbeddingRule(Rule):
         pair_keys, pair_index = torch.unique(example * vocab + ids, return_inverse=True)
         row_sums = g.new_zeros(pair_keys.shape[0], g.shape[-1])
         row_sums.index_add_(0, pair_index.reshape(-1), g.reshape(-1, g.shape[-1]))
-        calls.state.update(pair_keys=pair_keys, row_sums=row_sums)
+        calls.state.update(pair_keys=pair_keys, row_sums=row_sums, ids=ids, g=g)
         norms = g.new_zeros(batch)
         return norms.index_add_(0, pair_keys // vocab, row_sums.square().sum(1))
 
