@@ -5,7 +5,13 @@ float64, with and without padding, with every example clipped and with none."""
 import pytest
 import torch
 import torch.nn.functional as F
-from oracles import engine_sum_in_parameter_order, naive_clipped_sum
+from oracles import (
+    LAYOUTS,
+    assert_exact_clipping_all_and_none,
+    causal_lm_losses,
+    next_token_losses,
+    padded_tokens,
+)
 from torch import nn
 
 from raydp_train.privacy.clipping import PerExampleClipper, UnsupportedLayerError
@@ -13,8 +19,6 @@ from raydp_train.privacy.clipping import PerExampleClipper, UnsupportedLayerErro
 pytestmark = pytest.mark.usefixtures("float64")
 
 VOCAB, WIDTH, BATCH = 13, 6, 5
-# Example lengths and T: no padding, or padding at the end of every example.
-LAYOUTS = {"unpadded": ((7, 7, 7, 7, 7), 7), "padded": ((6, 5, 3, 2, 4), 9)}
 
 
 class TiedLM(nn.Module):
@@ -34,40 +38,6 @@ class TiedLM(nn.Module):
         positions = torch.arange(1, ids.shape[1] + 1, dtype=h.dtype).view(1, -1, 1)
         h = h + h.cumsum(1) / positions
         return sum(head(h) for head in self.heads)
-
-
-def padded_tokens(lengths: tuple, tokens: int, vocab: int) -> torch.Tensor:
-    """[B, 2, T]: ids (0 where padded) and attention mask, right padding."""
-    ids = torch.randint(1, vocab, (len(lengths), tokens))
-    mask = (torch.arange(tokens) < torch.tensor(lengths).unsqueeze(1)).long()
-    return torch.stack([ids * mask, mask], dim=1)
-
-
-def next_token_losses(logits, tokens):
-    """Per-example summed next-token cross-entropy over the real tokens."""
-    targets = tokens[:, 0, 1:].masked_fill(tokens[:, 1, 1:] == 0, -100)
-    return F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none").sum(1)
-
-
-def assert_exact(model, example_losses, inputs, clip_norm) -> torch.Tensor:
-    """The engine's clipped sum and norms equal the naive loop's; returns the norms."""
-    labels = torch.arange(inputs.shape[0])
-    expected, norms, _ = naive_clipped_sum(model, example_losses, inputs, labels, clip_norm)
-    clipper = PerExampleClipper(model, clip_norm)
-    stats = clipper.accumulate(example_losses, model, inputs, labels)
-    got = engine_sum_in_parameter_order(model, clipper)
-    clipper.close()
-    assert clipper.num_parameters == sum(p.numel() for p in model.parameters())  # one slot
-    torch.testing.assert_close(stats.norms, norms, rtol=1e-9, atol=1e-12)
-    assert torch.linalg.norm(got - expected) / torch.linalg.norm(expected) < 1e-6
-    return norms
-
-
-def assert_exact_clipping_all_and_none(model, example_losses, inputs) -> None:
-    labels = torch.arange(inputs.shape[0])
-    _, norms, _ = naive_clipped_sum(model, example_losses, inputs, labels)
-    assert_exact(model, example_losses, inputs, 0.5 * norms.min().item())  # every one clipped
-    assert_exact(model, example_losses, inputs, 2 * norms.max().item())  # none clipped
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -141,11 +111,4 @@ def test_gpt2_lm_head_tied_to_its_input_embedding_matches_naive_loop():
     model = transformers.GPT2LMHeadModel(config).double()
     assert model.lm_head.weight is model.transformer.wte.weight
     inputs = padded_tokens(*LAYOUTS["padded"], 50)
-
-    def example_losses(model, tokens, labels):
-        batch, length = tokens.shape[0], tokens.shape[2]
-        logits = model(input_ids=tokens[:, 0], attention_mask=tokens[:, 1],
-                       position_ids=torch.arange(length).expand(batch, length)).logits
-        return next_token_losses(logits, tokens)
-
-    assert_exact_clipping_all_and_none(model, example_losses, inputs)
+    assert_exact_clipping_all_and_none(model, causal_lm_losses, inputs)

@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from raydp_train.privacy import layer_rules  # noqa: F401 -- importing it registers the built-in rules
+# Importing these registers the built-in rules.
+from raydp_train.privacy import layer_rules, rms_norm_families  # noqa: F401
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
 from raydp_train.privacy.rule_registry import (
     LayerCalls,
