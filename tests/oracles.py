@@ -1,6 +1,9 @@
 """Oracles shared by tests: what the engine must equal, computed the slow obvious way."""
 
 import torch
+import torch.nn.functional as F
+
+from raydp_train.privacy.clipping import PerExampleClipper
 
 
 def naive_clipped_sum(model, example_losses, inputs, labels, clip_norm=None):
@@ -24,3 +27,52 @@ def engine_sum_in_parameter_order(model, clipper) -> torch.Tensor:
     """The engine's clipped sum, read from each parameter's .grad in model.parameters() order."""
     by_param = {id(p): p.grad.flatten() for p in clipper.parameters}
     return torch.cat([by_param[id(p)] for p in model.parameters() if p.requires_grad])
+
+
+# Causal language models: example lengths and T, without padding or with padding at the end of
+# every example.
+LAYOUTS = {"unpadded": ((7, 7, 7, 7, 7), 7), "padded": ((6, 5, 3, 2, 4), 9)}
+
+
+def padded_tokens(lengths: tuple, tokens: int, vocab: int) -> torch.Tensor:
+    """[B, 2, T]: ids (0 where padded) and attention mask, right padding."""
+    ids = torch.randint(1, vocab, (len(lengths), tokens))
+    mask = (torch.arange(tokens) < torch.tensor(lengths).unsqueeze(1)).long()
+    return torch.stack([ids * mask, mask], dim=1)
+
+
+def next_token_losses(logits, tokens):
+    """Per-example summed next-token cross-entropy over the real tokens."""
+    targets = tokens[:, 0, 1:].masked_fill(tokens[:, 1, 1:] == 0, -100)
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none").sum(1)
+
+
+def causal_lm_losses(model, tokens, labels=None):
+    """A Hugging Face causal LM's per-example summed next-token loss; positions per example."""
+    batch, length = tokens.shape[0], tokens.shape[2]
+    logits = model(input_ids=tokens[:, 0], attention_mask=tokens[:, 1],
+                   position_ids=torch.arange(length).expand(batch, length)).logits
+    return next_token_losses(logits, tokens)
+
+
+def assert_exact(model, example_losses, inputs, clip_norm, norm_rtol=1e-9) -> torch.Tensor:
+    """The engine's clipped sum and norms equal the naive loop's; returns the norms."""
+    labels = torch.arange(inputs.shape[0])
+    expected, norms, _ = naive_clipped_sum(model, example_losses, inputs, labels, clip_norm)
+    clipper = PerExampleClipper(model, clip_norm)
+    stats = clipper.accumulate(example_losses, model, inputs, labels)
+    got = engine_sum_in_parameter_order(model, clipper)
+    clipper.close()
+    # A tied parameter has one slot.
+    assert clipper.num_parameters == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    torch.testing.assert_close(stats.norms, norms, rtol=norm_rtol, atol=1e-12)
+    assert torch.linalg.norm(got - expected) / torch.linalg.norm(expected) < 1e-6
+    return norms
+
+
+def assert_exact_clipping_all_and_none(model, example_losses, inputs, norm_rtol=1e-9) -> None:
+    labels = torch.arange(inputs.shape[0])
+    _, norms, _ = naive_clipped_sum(model, example_losses, inputs, labels)
+    every, none = 0.5 * norms.min().item(), 2 * norms.max().item()
+    assert_exact(model, example_losses, inputs, every, norm_rtol)  # every one clipped
+    assert_exact(model, example_losses, inputs, none, norm_rtol)  # none clipped

@@ -6,8 +6,9 @@ exact model that failed. Operations: Linear (also called a second time), Conv1d 
 or over the raw axes, Conv2d (stride, padding, dilation, groups), Embedding of token ids,
 LayerNorm / RMSNorm / GroupNorm, activations (in place too), residual adds (in place too),
 padding masks, shared inputs (any register may be read again), branches that never reach the
-loss, frozen parameters, tied weights and functional uses of another layer's weight. Tied and
-functional uses of a trained parameter must be refused; everything else must be exact.
+loss, frozen parameters, tied weights and functional uses of another layer's weight.
+Functional uses of a trained parameter must be refused; everything else, tied weights
+included, must be exact.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Op:
     module: str | None = None  # module created by this op
     module_source: str | None = None  # its constructor
     uses: tuple[str, ...] = ()  # existing modules this op calls or whose weight it takes
-    refusal: str | None = None  # "tied" | "functional": the parameter must be trained
+    refusal: str | None = None  # "functional": refused if the parameter is trained
+    tied: bool = False  # the new module shares the weight of uses[0] (tied weights)
 
 
 @dataclass
@@ -52,8 +54,8 @@ class Program:
         return dangling or written[-1:] or [0]
 
     def expected_refusals(self) -> set[str]:
-        """The refusals a correct engine may give: tied or functional uses of trained weights
-        (a tied weight is frozen under either of its names)."""
+        """The refusals a correct engine may give: functional uses of trained weights (a tied
+        weight is frozen under either of its names)."""
         frozen = set(self.frozen)
         for a, b in self.ties:  # one tensor under two names
             if {f"{a}.weight", f"{b}.weight"} & frozen:
@@ -191,7 +193,7 @@ def _has_bias(module_source: str) -> bool:
 
 def _ties(builder: _Builder):
     """Occasionally a new Linear's weight is another Linear's (same shape): tied weights."""
-    ties = [op for op in builder.ops if op.refusal == "tied"]
+    ties = [op for op in builder.ops if op.tied]
     return [(op.module, op.uses[0]) for op in ties]
 
 
@@ -423,8 +425,7 @@ def op_tied(builder: _Builder, vocab: int) -> None:
     out = builder.register((builder.shapes[source][0], out_width))
     builder.emit(Op(
         f"r{out} = self.{name}(r{source})", reads=(source,), writes=out, module=name,
-        module_source=f"nn.Linear({width}, {out_width}, bias=False)", uses=(other,),
-        refusal="tied",
+        module_source=f"nn.Linear({width}, {out_width}, bias=False)", uses=(other,), tied=True,
     ))
     builder.read(source)
 

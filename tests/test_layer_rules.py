@@ -111,6 +111,8 @@ def test_the_refusal_lists_the_registered_layers(toy_rule):
     assert "module '1' (BatchNorm1d)" in message
     listed = message.split("supported: ")[1].split(". Freeze")[0]
     assert listed == rule_registry.supported_layers()
-    assert listed.split(", ") == sorted(
+    registered, matched = listed.split("; ")
+    assert matched.startswith("RMSNorm classes by what they compute")
+    assert registered.split(", ") == sorted(
         ["Conv1d", "Conv2d", "ElementwiseScale", "Embedding", "GroupNorm", "LayerNorm",
          "Linear", "RMSNorm", "transformers.pytorch_utils.Conv1D"])

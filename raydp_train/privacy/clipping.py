@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from raydp_train.privacy import layer_rules  # noqa: F401 -- importing it registers the built-in rules
+# Importing these registers the built-in rules.
+from raydp_train.privacy import layer_rules, rms_norm_families  # noqa: F401
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
 from raydp_train.privacy.rule_registry import (
     LayerCalls,
@@ -28,6 +29,7 @@ from raydp_train.privacy.rule_registry import (
     rule_for,
     supported_layers,
 )
+from raydp_train.privacy.tied_weights import cross_terms, find_ties
 
 __all__ = [
     "BatchDimensionError", "MicroBatchStats", "ParameterUseError", "PerExampleClipper",
@@ -55,30 +57,22 @@ class PerExampleClipper:
         self.clip_norm = float(clip_norm)
         _refuse_batch_second(model)
         self.layers = _covered_layers(model, rules or {})
-        self.parameters = [p for _, module, _ in self.layers for p in _own_trainable(module)]
+        self.ties = find_ties(self.layers)
+        # A tied parameter is owned by several layers but trained (and slotted) once.
+        owned = {id(p): p for _, module, _ in self.layers for p in _own_trainable(module)}
+        self.parameters = list(owned.values())
         if not self.parameters:
             raise ValueError("the model has no trainable parameters")
         _check_uniform(self.parameters)
         first = self.parameters[0]
-        shapes = [(module, rule.slot_shapes(module)) for _, module, rule in self.layers]
-        self.flat_grad = torch.zeros(
-            sum(s.numel() for _, named in shapes for s in named.values()),
-            dtype=first.dtype, device=first.device,
-        )
-        # Each module's gradient slots: views of the one flat buffer.
-        self.slots: dict[nn.Module, dict[str, Tensor]] = {}
-        offset = 0
-        for module, named in shapes:
-            self.slots[module] = {}
-            for name, shape in named.items():
-                self.slots[module][name] = self.flat_grad[offset : offset + shape.numel()].view(shape)
-                offset += shape.numel()
-        self._bound = [
-            (module._parameters[name], view)
+        self.flat_grad, self.slots = _slot_views(self.layers, first)
+        bound = {
+            id(module._parameters[name]): (module._parameters[name], view)
             for module, named in self.slots.items()
             for name, view in named.items()
             if module._parameters.get(name) is not None
-        ]
+        }
+        self._bound = list(bound.values())
         self._calls: dict[nn.Module, LayerCalls] = {}
         self._audit = ParameterUseAudit(model, {module: name for name, module, _ in self.layers})
         self._audited_patterns: set[tuple] = set()
@@ -222,6 +216,8 @@ class PerExampleClipper:
         for _, module, rule in used:
             slots = self.slots[module]
             squared = squared + rule.squared_norms(module, self._calls[module], slots, gram_cache)
+        used_calls = {module: self._calls[module] for _, module, _ in used}
+        squared = squared + cross_terms(self.ties, used_calls, squared)
         # The Gram shortcut <a a^T, G G^T> can cancel to a tiny negative number.
         norms = squared.clamp(min=0).sqrt()
         clip_factors = self.clip_norm / norms.clamp(min=self.clip_norm)
@@ -342,7 +338,7 @@ def _refuse_batch_second(model: nn.Module) -> None:
 
 def _covered_layers(model: nn.Module, rules: dict) -> list:
     """(name, module, rule) for every module owning trainable parameters; refuse the rest."""
-    layers, owners = [], {}
+    layers = []
     for name, module in model.named_modules():
         params = _own_trainable(module)
         if not params:
@@ -356,16 +352,27 @@ def _covered_layers(model: nn.Module, rules: dict) -> list:
                 "Freeze it (requires_grad=False) or replace it"
             )
         rule.check(module, label)
-        for p in params:
-            if id(p) in owners:
-                raise UnsupportedLayerError(
-                    f"modules '{owners[id(p)]}' and '{label}' share one trainable parameter "
-                    "(tied weights); per-example clipping of tied parameters is not "
-                    "supported: untie them or freeze the shared parameter"
-                )
-            owners[id(p)] = label
         layers.append((label, module, rule))
     return layers
+
+
+def _slot_views(layers: list, like: Tensor) -> tuple[Tensor, dict[nn.Module, dict[str, Tensor]]]:
+    """One flat buffer and each module's gradient slots as views of it. The modules of a tied
+    parameter share its one slot, so their rules' clipped sums add up there."""
+    offsets: dict = {}  # a parameter (or a module's non-parameter slot) -> its offset
+    layout, size = [], 0
+    for _, module, rule in layers:
+        for name, shape in rule.slot_shapes(module).items():
+            param = module._parameters.get(name)
+            key = id(param) if param is not None else (id(module), name)
+            if key not in offsets:
+                offsets[key], size = size, size + shape.numel()
+            layout.append((module, name, offsets[key], shape))
+    flat = like.new_zeros(size)
+    slots: dict[nn.Module, dict[str, Tensor]] = {module: {} for _, module, _ in layers}
+    for module, name, offset, shape in layout:
+        slots[module][name] = flat[offset : offset + shape.numel()].view(shape)
+    return flat, slots
 
 
 def _check_uniform(params: list[Tensor]) -> None:

@@ -242,7 +242,7 @@ class EmbeddingRule(Rule):
         pair_keys, pair_index = torch.unique(example * vocab + ids, return_inverse=True)
         row_sums = g.new_zeros(pair_keys.shape[0], g.shape[-1])
         row_sums.index_add_(0, pair_index.reshape(-1), g.reshape(-1, g.shape[-1]))
-        calls.state.update(pair_keys=pair_keys, row_sums=row_sums)
+        calls.state.update(pair_keys=pair_keys, row_sums=row_sums, ids=ids, g=g)
         norms = g.new_zeros(batch)
         return norms.index_add_(0, pair_keys // vocab, row_sums.square().sum(1))
 
@@ -313,10 +313,16 @@ class RMSNormRule(MaterializedRule):
     """gamma_i = sum_t G_i[t] * x_i[t] / rms(x_i[t])."""
 
     def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
-        shape = module.normalized_shape
+        shape = self.normalized_shape(module)
         x, g = _drop_padded_tokens(x, g, len(shape))
-        normalized = F.rms_norm(x, shape, eps=module.eps)
+        normalized = F.rms_norm(x, shape, eps=self.eps(module))
         return {"weight": _sum_to_parameter(g * normalized, len(shape))}
+
+    def normalized_shape(self, module: nn.Module) -> tuple[int, ...]:
+        return module.normalized_shape
+
+    def eps(self, module: nn.Module) -> float | None:
+        return module.eps
 
 
 @register_rule(nn.GroupNorm)

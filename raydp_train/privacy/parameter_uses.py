@@ -34,12 +34,13 @@ class ParameterUseAudit:
     def __init__(self, model: nn.Module, owned: dict[nn.Module, str]):
         """`owned`: each covered module and its name; their trained parameters are watched."""
         self.module_names = {id(m): name or "<root>" for name, m in model.named_modules()}
-        self.owner_of = {
-            id(p): (module, f"{name}.{param_name}" if name != "<root>" else param_name)
-            for module, name in owned.items()
-            for param_name, p in module.named_parameters(recurse=False)
-            if p.requires_grad
-        }
+        # Each trained parameter's owners (several for tied weights) and first name.
+        self.owner_of: dict[int, tuple[list[nn.Module], str]] = {}
+        for module, name in owned.items():
+            for param_name, p in module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    qualified = f"{name}.{param_name}" if name != "<root>" else param_name
+                    self.owner_of.setdefault(id(p), ([], qualified))[0].append(module)
 
     @contextmanager
     def watching(self) -> Iterator[None]:
@@ -89,7 +90,7 @@ class _UseRecorder(TorchFunctionMode):
             caller = self.running[-1] if self.running else None
             for value in tree_leaves((args, kwargs)):
                 owner = self.owner_of.get(id(value)) if isinstance(value, Tensor) else None
-                if owner is not None and owner[0] is not caller:
+                if owner is not None and caller not in owner[0]:
                     self.stray_uses.append((owner[1], caller, _function_name(func)))
         return result
 

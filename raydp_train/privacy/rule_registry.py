@@ -96,8 +96,34 @@ def register_rule(*layers: type | str) -> Callable[[type[Rule]], type[Rule]]:
     return register
 
 
+# Matchers recognize a layer by what it computes rather than by its class (transformers'
+# RMSNorm classes); asked only when no registered class serves the module.
+_MATCHERS: dict[str, Callable[[nn.Module], Rule | None]] = {}
+
+
+def register_matcher(description: str):
+    """Function decorator: `match(module) -> Rule | None` is asked about modules whose class
+    has no rule; `description` says what it accepts in the list of supported layers."""
+
+    def register(match: Callable[[nn.Module], Rule | None]):
+        _MATCHERS[description] = match
+        return match
+
+    return register
+
+
 def rule_for(module: nn.Module) -> Rule | None:
-    """The rule of the module's type; subclasses qualify only if they keep its forward."""
+    """The rule of the module's type (subclasses qualify only if they keep its forward), else
+    the first matcher's that accepts it."""
+    rule = _registered_rule(module)
+    for match in _MATCHERS.values():
+        if rule is not None:
+            break
+        rule = match(module)
+    return rule
+
+
+def _registered_rule(module: nn.Module) -> Rule | None:
     for cls in type(module).__mro__:
         rule = _RULES.get(cls) or _RULES.get(_qualified_name(cls))
         if rule is not None:
@@ -106,7 +132,9 @@ def rule_for(module: nn.Module) -> Rule | None:
 
 
 def supported_layers() -> str:
-    """The registered layers, sorted: class names, and full names of classes not imported."""
-    return ", ".join(sorted(
+    """The registered layers, sorted (class names, and full names of classes not imported),
+    then what the matchers accept."""
+    names = ", ".join(sorted(
         layer if isinstance(layer, str) else layer.__name__ for layer in _RULES
     ))
+    return "; ".join([names, *_MATCHERS])
