@@ -10,23 +10,10 @@ import sys
 from pathlib import Path
 
 from raydp_train.config.pipeline import PipelineError, load_pipeline
-from raydp_train.data import DataError
-from raydp_train.hf import HFModelError
-from raydp_train.models import ModelError
-from raydp_train.plan import PlanError
+from raydp_train.errors import UserError
 from raydp_train.privacy.budget import BudgetError
-from raydp_train.privacy.clipping import UnsupportedLayerError
-from raydp_train.privacy.ledger import LedgerError
-from raydp_train.privacy.lora import LoraSetupError
-from raydp_train.privacy.lsg import LsgConfigError
 from raydp_train.quiet import quiet_third_party
-from raydp_train.resources import ResourceError
 
-# Problems with the user's input: printed as one clear message, never as a traceback.
-USER_ERRORS = (
-    PipelineError, DataError, PlanError, ModelError, UnsupportedLayerError, LsgConfigError,
-    LoraSetupError, BudgetError, LedgerError, HFModelError, ResourceError,
-)
 # `run` and `tune` exit with this when the global budget refused to let them finish.
 EXIT_BUDGET_EXHAUSTED = 3
 # `audit` exits with this when its lower bound exceeds the claimed epsilon (a proven leak).
@@ -42,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         status = args.command(args)
         sys.stdout.flush()  # here, so that a closed pipe is caught below, not at exit
         return status
-    except USER_ERRORS as error:
+    except UserError as error:  # the user's input: one clear line, never a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
     except BrokenPipeError:
