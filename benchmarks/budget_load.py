@@ -28,9 +28,9 @@ import ray
 import yaml
 
 from raydp_train.budget_actor import actor_name
-from raydp_train.budget_report import ledger_rows
-from raydp_train.pipeline import pipeline_from_dict
+from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.privacy.budget import NAMESPACE, replay
+from raydp_train.reports.budget import ledger_rows
 from raydp_train.tune import run_sweep
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -20,9 +20,9 @@ from pathlib import Path
 import ray
 
 from raydp_train.budget_actor import open_budget
+from raydp_train.config.sweep import BudgetConfig
 from raydp_train.privacy.budget import BudgetTerms, Spend, replay
 from raydp_train.privacy.ledger import BudgetLedger
-from raydp_train.sweep_config import BudgetConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_overhead import write_section

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from raydp_train.pipeline import LoraConfig
+from raydp_train.config.pipeline import LoraConfig
 from raydp_train.privacy.mechanism import LowRankAdapters
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.train.step import cross_entropy_loss, private_step

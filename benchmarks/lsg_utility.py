@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from raydp_train.config.pipeline import load_pipeline
 from raydp_train.data import load_data
 from raydp_train.models import build_model
-from raydp_train.pipeline import load_pipeline
 from raydp_train.plan import make_plan
 from raydp_train.train.context import LocalContext
 from raydp_train.train.worker import accuracy, make_optimizer, train

@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from step_overhead import write_section
 
+from raydp_train.config.pipeline import load_pipeline
 from raydp_train.data import Dataset
 from raydp_train.hf import resolve_name_or_path
 from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.models import build_model
-from raydp_train.pipeline import load_pipeline
 from raydp_train.plan import make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.sampling import micro_batches

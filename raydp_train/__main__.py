@@ -2,4 +2,5 @@ import sys
 
 from raydp_train.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # `python -m raydp_train`; importing the module runs nothing
+    sys.exit(main())

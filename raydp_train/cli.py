@@ -9,24 +9,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from raydp_train.data import DataError
-from raydp_train.hf import HFModelError
-from raydp_train.models import ModelError
-from raydp_train.pipeline import PipelineError, load_pipeline
-from raydp_train.plan import PlanError
+from raydp_train.config.pipeline import PipelineError, load_pipeline
+from raydp_train.errors import UserError
 from raydp_train.privacy.budget import BudgetError
-from raydp_train.privacy.clipping import UnsupportedLayerError
-from raydp_train.privacy.ledger import LedgerError
-from raydp_train.privacy.lora import LoraSetupError
-from raydp_train.privacy.lsg import LsgConfigError
 from raydp_train.quiet import quiet_third_party
-from raydp_train.resources import ResourceError
 
-# Problems with the user's input: printed as one clear message, never as a traceback.
-USER_ERRORS = (
-    PipelineError, DataError, PlanError, ModelError, UnsupportedLayerError, LsgConfigError,
-    LoraSetupError, BudgetError, LedgerError, HFModelError, ResourceError,
-)
 # `run` and `tune` exit with this when the global budget refused to let them finish.
 EXIT_BUDGET_EXHAUSTED = 3
 # `audit` exits with this when its lower bound exceeds the claimed epsilon (a proven leak).
@@ -42,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         status = args.command(args)
         sys.stdout.flush()  # here, so that a closed pipe is caught below, not at exit
         return status
-    except USER_ERRORS as error:
+    except UserError as error:  # the user's input: one clear line, never a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
     except BrokenPipeError:
@@ -160,7 +147,7 @@ def validate(args) -> int:
 
 def run(args) -> int:
     from raydp_train.privacy.mechanism import mechanism_named
-    from raydp_train.report import new_run_dir, privacy_statement, write_run_record
+    from raydp_train.reports.run import new_run_dir, privacy_statement, write_run_record
     from raydp_train.train.trainer import RunInterrupted, fit
 
     pipeline, dataset, plan = _prepare(args)
@@ -193,7 +180,7 @@ def run(args) -> int:
     record = write_run_record(run_dir, pipeline, result, privacy)
     _print_summary(result, privacy, record)
     if budget is not None:
-        from raydp_train.budget_report import status_text
+        from raydp_train.reports.budget import status_text
 
         print(status_text(budget.status()))
     if result.stop_reason.startswith("target epsilon reached"):
@@ -214,8 +201,8 @@ def _resume_command(args, run_dir: Path) -> str:
 def _open_budget(pipeline):
     """The pipeline's global budget (created from this driver), or None; prints its state."""
     from raydp_train.budget_actor import open_budget
-    from raydp_train.budget_report import status_text
     from raydp_train.privacy.ledger import as_uri
+    from raydp_train.reports.budget import status_text
 
     if pipeline.budget is None:
         return None
@@ -244,7 +231,7 @@ def tune_command(args) -> int:
 def audit_command(args) -> int:
     import json
 
-    from raydp_train.audit import audit_pipeline, audit_text, check_auditable
+    from raydp_train.canary_audit import audit_pipeline, audit_text, check_auditable
     from raydp_train.preflight import check_pipeline
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
@@ -263,7 +250,7 @@ def audit_command(args) -> int:
 
 
 def budget_status(args) -> int:
-    from raydp_train.budget_report import as_json, budget_status, status_text
+    from raydp_train.reports.budget import as_json, budget_status, status_text
 
     status = budget_status(args.name, args.ledger)
     print(as_json(status) if args.json else status_text(status))
@@ -271,7 +258,7 @@ def budget_status(args) -> int:
 
 
 def budget_history(args) -> int:
-    from raydp_train.budget_report import as_json, history_text, ledger_rows
+    from raydp_train.reports.budget import as_json, history_text, ledger_rows
 
     rows = ledger_rows(args.name, args.ledger)
     print(as_json(rows) if args.json else history_text(rows))
@@ -291,7 +278,7 @@ def budget_reset(args) -> int:
     import getpass
 
     from raydp_train.budget_actor import open_existing_budget
-    from raydp_train.budget_report import budget_status, status_text
+    from raydp_train.reports.budget import budget_status, status_text
     from raydp_train.resources import check_address
     from raydp_train.train.trainer import ensure_ray
 
@@ -312,7 +299,7 @@ def budget_reset(args) -> int:
 
 def _resumed_run_dir(run_dir: str, pipeline) -> Path:
     """The run directory to resume, after checking it belongs to this very pipeline."""
-    from raydp_train.pipeline import dump_pipeline
+    from raydp_train.config.pipeline import dump_pipeline
 
     saved = Path(run_dir) / "pipeline.yaml"
     if not saved.is_file():
@@ -325,7 +312,7 @@ def _resumed_run_dir(run_dir: str, pipeline) -> Path:
 
 
 def report(args) -> int:
-    from raydp_train.report import metrics_table, noise_description, read_record, write_plots
+    from raydp_train.reports.run import metrics_table, noise_description, read_record, write_plots
 
     try:
         record = read_record(Path(args.run_dir))
@@ -362,7 +349,7 @@ def _baselines_text(baselines: dict) -> str:
 
 
 def _print_summary(result, privacy: dict, record) -> None:
-    from raydp_train.report import noise_description
+    from raydp_train.reports.run import noise_description
 
     delta = privacy["delta"]
     if result.metrics:

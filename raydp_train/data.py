@@ -18,8 +18,10 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
+from raydp_train.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """The data named by a pipeline cannot be used; the message names the field and file."""
 
 
@@ -116,6 +118,31 @@ def _features(values: np.ndarray) -> Tensor:
     return torch.as_tensor(values, dtype=torch.float32)
 
 
+def check_text_file(path: Path, text_column: str, label_column: str, field: str) -> int:
+    """The number of rows, after checking the file and its columns; raises DataError."""
+    if not path.is_file():
+        raise DataError(f"{field}: parquet file not found: {path}")
+    try:
+        parquet = pq.ParquetFile(path)  # the footer, read once: schema and row count
+        schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{field}: cannot read {path} as parquet: {error}") from error
+    missing = [c for c in (text_column, label_column) if c not in schema.names]
+    if missing:
+        raise DataError(f"{field}: column(s) {missing} not in {path}; available: "
+                        f"{', '.join(schema.names)}")
+    kind = schema.field(text_column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"data.text_column: column '{text_column}' in {path} is {kind}, "
+                        "expected strings")
+    if rows == 0:
+        raise DataError(f"{field}: {path} has no rows")
+    nulls = parquet.read(columns=[text_column]).column(text_column).null_count
+    if nulls:
+        raise DataError(f"data.text_column: '{text_column}' in {path} has {nulls} null rows")
+    return rows
+
+
 class _Reader:
     """Reads one parquet file of the pipeline's layout: numeric, tensor or text features."""
 
@@ -126,7 +153,7 @@ class _Reader:
         config = self.config
         if getattr(config, "text_column", None) is None:
             return _read_parquet(path, config, field)
-        from raydp_train.text import check_text_file, tokenize_parquet
+        from raydp_train.text import tokenize_parquet
 
         check_text_file(path, config.text_column, config.label_column, field)
         if self.tokenizer is None:

@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from raydp_train.errors import UserError
 
-class HFModelError(ValueError):
+
+class HFModelError(UserError, ValueError):
     """The `model` section names a model that cannot be loaded or settings that do not fit it;
     the message says which field."""
 

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from raydp_train.pipeline import Pipeline, PipelineError
+from raydp_train.config.pipeline import Pipeline, PipelineError
 from raydp_train.privacy.ledger import check_ledger_location
 
 # Set by Ray's job server for the entrypoint of a submitted job: the job's runtime env.

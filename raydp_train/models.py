@@ -6,10 +6,12 @@ import math
 
 from torch import nn
 
+from raydp_train.errors import UserError
+
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 
 
-class ModelError(ValueError):
+class ModelError(UserError, ValueError):
     """The model section does not fit the data; the message names the field."""
 
 

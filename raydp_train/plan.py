@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from raydp_train.errors import UserError
 from raydp_train.privacy.accounting import (
     calibrate_noise_multiplier,
     composed_epsilon,
@@ -14,7 +15,7 @@ from raydp_train.privacy.mechanism import mechanism_named
 from raydp_train.privacy.sampling import sampling_rate, total_steps
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """The pipeline's privacy settings do not fit its data; the message names the field."""
 
 

@@ -12,10 +12,10 @@ from typing import Self
 import torch
 from torch import nn
 
+from raydp_train.config.pipeline import Pipeline
 from raydp_train.data import Dataset, load_data
 from raydp_train.hf_prefix import FrozenPrefix
 from raydp_train.models import build_model, tokenizer_source
-from raydp_train.pipeline import Pipeline
 from raydp_train.plan import PlanError, PrivacyPlan, make_plan
 from raydp_train.privacy.mechanism import make_mechanism
 from raydp_train.train.optim import make_optimizer, make_schedule, warmup_steps

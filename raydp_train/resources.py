@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import socket
 
+from raydp_train.errors import UserError
+
 # Long enough for a head across a slow network, short enough for a user to wait through.
 ADDRESS_TIMEOUT_S = 3.0
 RAY_GCS_PORT = 6379
 RAY_CLIENT_PORT = 10001
 
 
-class ResourceError(RuntimeError):
+class ResourceError(UserError, RuntimeError):
     """The cluster cannot run the pipeline (unreachable, or short of GPUs or CPUs)."""
 
 

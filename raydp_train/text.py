@@ -3,7 +3,8 @@
 `read_parquet` + `map_batches(tokenize_batch)`: each Ray worker process loads the tokenizer
 once and turns a batch of sentences into [batch, 2, max_length] int64 (token ids and attention mask,
 padded or truncated to max_length). Row order is preserved, so splits stay deterministic.
-The file's schema is checked with pyarrow first, so a wrong column fails before Ray starts.
+`data.check_text_file` checks the file's schema with pyarrow first, so a wrong column fails
+before Ray starts; this module knows nothing of the rest of the data layer (no import of it).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import functools
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 
 @functools.cache
@@ -32,33 +31,6 @@ def tokenize_batch(batch: dict[str, np.ndarray], tokenizer_path: str, text_colum
         max_length=max_length, return_tensors="np")
     tokens = np.stack([encoded["input_ids"], encoded["attention_mask"]], axis=1)
     return {"tokens": tokens.astype(np.int64)}
-
-
-def check_text_file(path: Path, text_column: str, label_column: str, field: str) -> int:
-    """The number of rows, after checking the file and its columns; raises DataError."""
-    from raydp_train.data import DataError
-
-    if not path.is_file():
-        raise DataError(f"{field}: parquet file not found: {path}")
-    try:
-        parquet = pq.ParquetFile(path)  # the footer, read once: schema and row count
-        schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
-    except (pa.ArrowInvalid, OSError) as error:
-        raise DataError(f"{field}: cannot read {path} as parquet: {error}") from error
-    missing = [c for c in (text_column, label_column) if c not in schema.names]
-    if missing:
-        raise DataError(f"{field}: column(s) {missing} not in {path}; available: "
-                        f"{', '.join(schema.names)}")
-    kind = schema.field(text_column).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise DataError(f"data.text_column: column '{text_column}' in {path} is {kind}, "
-                        "expected strings")
-    if rows == 0:
-        raise DataError(f"{field}: {path} has no rows")
-    nulls = parquet.read(columns=[text_column]).column(text_column).null_count
-    if nulls:
-        raise DataError(f"data.text_column: '{text_column}' in {path} has {nulls} null rows")
-    return rows
 
 
 def tokenize_parquet(path: Path, text_column: str, tokenizer_path: str,

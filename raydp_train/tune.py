@@ -25,13 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from raydp_train.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
+from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
 from raydp_train.preflight import check_pipeline
 from raydp_train.privacy.budget import Spend
 from raydp_train.privacy.ledger import as_uri
 from raydp_train.privacy.random_stopping import draw_trial_count
-from raydp_train.report import new_run_dir
-from raydp_train.sweep_report import write_sweep_outputs
+from raydp_train.reports.run import new_run_dir
+from raydp_train.reports.sweep import write_sweep_outputs
 
 RUNNING = "running"
 MODELS = "trial_models"  # each trained trial's model, until the sweep keeps the best
@@ -152,7 +152,7 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
 def _save_trial_model(directory: Path, trial_id: str, pipeline: Pipeline, plan, result) -> None:
     """Every trial that trained writes its model and run record; the sweep keeps the best
     one's (`_keep_best_model`), so the sweep ends with a model without spending on a retrain."""
-    from raydp_train.report import privacy_statement, write_run_record
+    from raydp_train.reports.run import privacy_statement, write_run_record
 
     folder = directory / MODELS / trial_id
     folder.mkdir(parents=True)
@@ -221,7 +221,7 @@ def first_refusal(pipeline: Pipeline, plan) -> str:
     """Why the budget, as its ledger has it now, cannot pay the sweep's first (costliest)
     trial, or the random-stopping sweep's one reservation; "" when it can. Trials still
     reserve for themselves: this only spares a spent budget a sweep that cannot train."""
-    from raydp_train.budget_report import book_of
+    from raydp_train.reports.budget import book_of
 
     first = (random_stopping_spend(pipeline, plan) if pipeline.tune.selection == "random_stopping"
              else trials_spend(pipeline, plan, 1))

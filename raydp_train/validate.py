@@ -4,7 +4,7 @@ is read from its ledger (no Ray, no accountant actor), as `raydp-train budget st
 
 from __future__ import annotations
 
-from raydp_train.pipeline import Pipeline, dump_pipeline
+from raydp_train.config.pipeline import Pipeline, dump_pipeline
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.accounting import composed_epsilon
 from raydp_train.privacy.budget import BudgetBook, Spend
@@ -59,7 +59,7 @@ def _sweep_spend(pipeline: Pipeline, plan: PrivacyPlan) -> Spend:
 
 
 def _print_budget(pipeline: Pipeline) -> BudgetBook:
-    from raydp_train.budget_report import book_of
+    from raydp_train.reports.budget import book_of
 
     budget = pipeline.budget
     book = book_of(budget)

@@ -1,7 +1,8 @@
 """ARCHITECTURE.md stays the document the code cites: every "ARCHITECTURE.md §N" in the
 repository names a section that exists, no citation of the old out-of-repository design
-document is left, the module map names exactly the modules of raydp_train/, and the privacy
-math keeps the rule the map states (no Ray, no YAML, no pipeline schema)."""
+document is left, the module map names exactly the modules of raydp_train/, the privacy
+math keeps the rule the map states (no Ray, no YAML, no pipeline schema), and the layout
+stays readable: no import cycle among the package's modules, no module over 400 lines."""
 
 import ast
 import os
@@ -17,6 +18,9 @@ SECTION_REFERENCE = re.compile(r"§(\d+(?:\.\d+)*)(?:-(\d+(?:\.\d+)*))?")
 OLD_CITATION = "DESIGN" + " §"
 HEADING = re.compile(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", re.MULTILINE)
 FORBIDDEN_IN_PRIVACY = {"ray", "yaml", "pydantic"}
+# Outside privacy/, the privacy math may import only the leaf module of the user-error base.
+ALLOWED_IN_PRIVACY = {"raydp_train.errors"}
+MAX_MODULE_LINES = 400
 
 
 def section_numbers(doc: str) -> set[str]:
@@ -70,7 +74,60 @@ def imports_outside_the_rule(source: str) -> set[str]:
             names.add(node.module)
     return {name for name in names
             if name.split(".")[0] in FORBIDDEN_IN_PRIVACY
-            or (name.split(".")[0] == "raydp_train" and not name.startswith("raydp_train.privacy"))}
+            or (name.split(".")[0] == "raydp_train" and not name.startswith("raydp_train.privacy")
+                and name not in ALLOWED_IN_PRIVACY)}
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports. Imports inside functions count too: a lazy
+    import still ties the two modules together (and only hides a cycle until it runs); so do
+    imports under `if TYPE_CHECKING`, which none of the package needs."""
+    files = {module_name(path, package): path for path in sorted(package.rglob("*.py"))}
+    graph = {}
+    for name, path in files.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from this package, up level - 1 packages
+                    parent = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([base] if base else []))
+                # `from a import b`: b is a module of the package, or a name defined in a
+                found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
+                          for alias in node.names}
+        graph[name] = {other for other in found if other in files and other != name}
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph as [a, b, ..., a], or [] if it has none (depth-first search)."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" after
+    path: list[str] = []
+
+    def visit(name: str) -> list[str]:
+        state[name] = "open"
+        path.append(name)
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                return path[path.index(other):] + [other]
+            if other not in state and (cycle := visit(other)):
+                return cycle
+        state[name] = "done"
+        path.pop()
+        return []
+
+    for name in sorted(graph):
+        if name not in state and (cycle := visit(name)):
+            return cycle
+    return []
 
 
 def test_every_citation_names_an_existing_section():
@@ -104,6 +161,18 @@ def test_the_privacy_math_imports_no_ray_yaml_or_schema():
     assert not broken, f"privacy/ must not import Ray, YAML or the schema: {broken}"
 
 
+def test_no_import_cycle_among_the_package_modules():
+    cycle = import_cycle(import_graph(PACKAGE))
+    assert not cycle, (f"import cycle: {' -> '.join(cycle)}; move the shared piece so the "
+                       "dependency goes one way")
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(path.relative_to(ROOT)): lines for path in sorted(PACKAGE.rglob("*.py"))
+            if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concept): {long}"
+
+
 # The checks themselves catch what they are for.
 
 
@@ -124,7 +193,23 @@ def test_a_module_without_a_map_entry_is_caught(tmp_path):
 def test_headings_and_forbidden_imports_are_read():
     doc = "## 2. The math\n### 2.1 Step\n#### 2.1.1 Detail\n## 10. Late\nnot # 3. a heading\n"
     assert section_numbers(doc) == {"2", "2.1", "2.1.1", "10"}
-    source = ("import torch\nimport ray.train\nfrom raydp_train.pipeline import Pipeline\n"
+    source = ("import torch\nimport ray.train\nfrom raydp_train.config.pipeline import Pipeline\n"
               "from raydp_train.privacy.noise import noise_std\n"
               "def f():\n    import yaml\n")
-    assert imports_outside_the_rule(source) == {"ray.train", "raydp_train.pipeline", "yaml"}
+    assert imports_outside_the_rule(source) == {"ray.train", "raydp_train.config.pipeline", "yaml"}
+    assert imports_outside_the_rule("from raydp_train.errors import UserError\n") == set()
+
+
+def test_an_import_cycle_is_caught_even_through_a_lazy_import(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    files = {"__init__.py": "", "sub/__init__.py": "", "a.py": "from pkg.sub import b\n",
+             "sub/b.py": "from . import c\n", "sub/c.py": "def f():\n    from pkg.a import x\n",
+             "d.py": "import pkg.a\n"}
+    for name, source in files.items():
+        (package / name).write_text(source)
+    graph = import_graph(package)
+    assert graph["pkg.d"] == {"pkg.a"} and graph["pkg.sub.b"] == {"pkg.sub.c"}
+    assert import_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]
+    (package / "sub/c.py").write_text("x = 1\n")
+    assert import_cycle(import_graph(package)) == []

@@ -9,12 +9,12 @@ import torch
 from dp_accounting import rdp
 
 from raydp_train.budget_actor import actor_name, open_budget
-from raydp_train.budget_report import ledger_rows
 from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
+from raydp_train.config.pipeline import load_pipeline
+from raydp_train.config.sweep import BudgetConfig
 from raydp_train.models import build_model
-from raydp_train.pipeline import load_pipeline
 from raydp_train.privacy.budget import NAMESPACE, Spend
-from raydp_train.sweep_config import BudgetConfig
+from raydp_train.reports.budget import ledger_rows
 
 SPEND = Spend(0.02, 1.0, 50)
 

@@ -81,9 +81,9 @@ def test_output_into_a_closed_pipe_ends_quietly():
 def test_a_model_that_never_took_a_step_is_not_for_release():
     from types import SimpleNamespace
 
-    from raydp_train.pipeline import load_pipeline
+    from raydp_train.config.pipeline import load_pipeline
     from raydp_train.plan import make_plan
-    from raydp_train.report import privacy_statement
+    from raydp_train.reports.run import privacy_statement
 
     plan = make_plan(load_pipeline(QUICKSTART), 1000)
     for steps, for_release in ((0, False), (plan.steps, True)):
@@ -97,10 +97,10 @@ def test_the_summary_says_which_noise_a_run_used(capsys):
     from types import SimpleNamespace
 
     from raydp_train.cli import _print_summary
-    from raydp_train.pipeline import load_pipeline
+    from raydp_train.config.pipeline import load_pipeline
     from raydp_train.plan import make_plan
     from raydp_train.privacy.noise import NOISE_SOURCES
-    from raydp_train.report import privacy_statement
+    from raydp_train.reports.run import privacy_statement
 
     plan = make_plan(load_pipeline(QUICKSTART), 1000)
     result = SimpleNamespace(noise_mode="secure", steps_done=plan.steps,

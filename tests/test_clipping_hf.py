@@ -78,8 +78,8 @@ ARCHITECTURES = {
 
 
 def _classifier(kind: str):
+    from raydp_train.config.pipeline import HFModel
     from raydp_train.hf import build_hf_model
-    from raydp_train.pipeline import HFModel
 
     torch.manual_seed(0)
     config = HFModel(kind="hf", config=ARCHITECTURES[kind], num_labels=2)

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.data import DataError, load_data
 from raydp_train.models import ModelError, build_model
-from raydp_train.pipeline import pipeline_from_dict
 from raydp_train.plan import make_plan
 from raydp_train.train.context import LocalContext
 from raydp_train.train.worker import train
@@ -83,7 +83,7 @@ def test_raw_features_far_from_unit_scale_get_a_warning_naming_the_column(tmp_pa
     ({"income": [0, 0]}, "data.normalize: income: the std must be > 0, got 0"),
 ])
 def test_bad_normalize_is_refused_naming_the_field(normalize, message):
-    from raydp_train.pipeline import PipelineError
+    from raydp_train.config.pipeline import PipelineError
 
     source = {"source": "parquet", "path": "x.parquet", "feature_columns": ["income"],
               "normalize": normalize}

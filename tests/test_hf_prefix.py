@@ -6,10 +6,10 @@ import torch
 from oracles import engine_sum_in_parameter_order
 from test_clipping_hf import ARCHITECTURES  # tiny BERT, RoBERTa, DistilBERT, GPT-2
 
+from raydp_train.config.pipeline import HFModel, pipeline_from_dict
 from raydp_train.data import Dataset
 from raydp_train.hf import build_hf_model
 from raydp_train.hf_prefix import FrozenPrefix, PrefixCacheError, cached_prefix_loss
-from raydp_train.pipeline import HFModel, pipeline_from_dict
 from raydp_train.plan import make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.train.context import LocalContext

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from raydp_train.budget_report import budget_status, ledger_rows
 from raydp_train.privacy import ledger as ledger_module
 from raydp_train.privacy.budget import BudgetTerms, Spend, replay
 from raydp_train.privacy.budget_accountant import BudgetAccountant
 from raydp_train.privacy.ledger import BudgetLedger, LedgerError, check_ledger_location
+from raydp_train.reports.budget import budget_status, ledger_rows
 
 SPEND = Spend(0.02, 1.0, 200)  # about 10 fit: few decisions, each one a real race
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from raydp_train.cli import main
+from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.locations import check_locations, job_working_dir_copy
-from raydp_train.pipeline import PipelineError, load_pipeline
 from raydp_train.privacy.ledger import LedgerError
 
 SWEEP = str(Path(__file__).parents[1] / "pipelines" / "sweep_digits.yaml")

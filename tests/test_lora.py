@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from oracles import engine_sum_in_parameter_order, naive_clipped_sum
 
+from raydp_train.config.pipeline import LoraConfig, PipelineError, load_pipeline, pipeline_from_dict
 from raydp_train.models import build_model
-from raydp_train.pipeline import LoraConfig, PipelineError, load_pipeline, pipeline_from_dict
 from raydp_train.plan import make_plan
 from raydp_train.privacy.lora import LoraSetupError
 from raydp_train.privacy.mechanism import LowRankAdapters, mechanism_named
-from raydp_train.report import privacy_statement, write_run_record
+from raydp_train.reports.run import privacy_statement, write_run_record
 from raydp_train.train.context import LocalContext
 from raydp_train.train.worker import train
 
@@ -36,8 +36,8 @@ def attached(model, clip_norm: float, **settings):
 
 
 def tiny_bert():
+    from raydp_train.config.pipeline import HFModel
     from raydp_train.hf import build_hf_model
-    from raydp_train.pipeline import HFModel
 
     torch.manual_seed(0)
     return build_hf_model(HFModel(kind="hf", config=TINY_BERT, num_labels=2), num_labels=2)
@@ -129,7 +129,7 @@ def test_lora_trains_only_adapters_and_releases_the_merged_model(tmp_path):
 
 
 def test_a_merged_hf_model_reloads_with_from_pretrained_and_predicts_the_same(tmp_path):
-    from raydp_train.report import save_hf_model
+    from raydp_train.reports.run import save_hf_model
 
     model = tiny_bert()
     mechanism, clipper = attached(model, 1.0, rank=4)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raydp_train.pipeline import LsgConfig, PipelineError, pipeline_from_dict
+from raydp_train.config.pipeline import LsgConfig, PipelineError, pipeline_from_dict
 from raydp_train.plan import make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.lsg import (

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import yaml
 
-from raydp_train.pipeline import (
+from raydp_train.config.pipeline import (
     MlpModel,
     Pipeline,
     PipelineError,

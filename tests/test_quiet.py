@@ -46,7 +46,7 @@ import sys
 from raydp_train.quiet import quiet_third_party
 quiet_third_party(verbose=sys.argv[1] == "verbose")
 from raydp_train.hf import build_hf_model
-from raydp_train.pipeline import HFModel
+from raydp_train.config.pipeline import HFModel
 build_hf_model(HFModel(kind="hf", name_or_path="{MINILM}", num_labels=2), 2)
 """
 

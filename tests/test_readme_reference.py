@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from raydp_train.pipeline import Pipeline
+from raydp_train.config.pipeline import Pipeline
 
 README = Path(__file__).parents[1] / "README.md"
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from raydp_train.data import Dataset
-from raydp_train.plots import privacy_utility_figure, run_figures, trial_number
-from raydp_train.report import metrics_table
+from raydp_train.reports.plots import privacy_utility_figure, run_figures, trial_number
+from raydp_train.reports.run import metrics_table
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from raydp_train.pipeline import PipelineError, pipeline_from_dict
+from raydp_train.config.pipeline import PipelineError, pipeline_from_dict
 from raydp_train.plan import make_plan
 from raydp_train.privacy.noise import (
     NOISE_SOURCES,
@@ -15,7 +15,7 @@ from raydp_train.privacy.noise import (
     make_noise_generator,
 )
 from raydp_train.privacy.secure_noise import SecureGaussian
-from raydp_train.report import noise_description, privacy_statement
+from raydp_train.reports.run import noise_description, privacy_statement
 from raydp_train.train.context import LocalContext
 from raydp_train.train.worker import train
 

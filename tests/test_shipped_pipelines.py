@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from raydp_train.pipeline import load_pipeline
+from raydp_train.config.pipeline import load_pipeline
 from raydp_train.plan import make_plan
 from raydp_train.privacy.accounting import composed_epsilon
 from raydp_train.tune import random_stopping_spend

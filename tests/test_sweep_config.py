@@ -5,7 +5,7 @@ import dp_accounting
 import pytest
 from dp_accounting import rdp
 
-from raydp_train.pipeline import PipelineError, load_pipeline
+from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.preflight import check_pipeline
 from raydp_train.tune import random_stopping_spend
 

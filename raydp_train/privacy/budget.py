@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 
 import dp_accounting
 
+from raydp_train.errors import UserError
 from raydp_train.privacy.accounting import (
     composed_epsilon,
     gaussian_release_event,
@@ -32,7 +33,7 @@ NAMESPACE = "raydp_train"
 _REPLAY_RELATIVE_TOLERANCE = 1e-6
 
 
-class BudgetError(RuntimeError):
+class BudgetError(UserError, RuntimeError):
     """A budget request that cannot be served (bad terms, bad request, unusable ledger)."""
 
 

@@ -37,6 +37,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyarrow import fs
 
+from raydp_train.errors import UserError
+
 LEDGER_SCHEMA = pa.schema([
     ("seq", pa.int64()),  # 0, 1, 2, ... in the order the accountant decided
     ("budget", pa.string()),
@@ -64,7 +66,7 @@ _SEQ_DIGITS = 12
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
 
 
-class LedgerError(RuntimeError):
+class LedgerError(UserError, RuntimeError):
     """The ledger cannot be read or written; the message names the path."""
 
 

@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from raydp_train.errors import UserError
 
-class LoraSetupError(ValueError):
+
+class LoraSetupError(UserError, ValueError):
     """The pipeline's privacy.lora settings do not fit the model; the message names the field."""
 
 

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from raydp_train.errors import UserError
 from raydp_train.privacy.layer_rules import LinearRule, add_linear_clipped_sum, linear_weight_norm
 from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError, rule_for
 
 
-class LsgConfigError(ValueError):
+class LsgConfigError(UserError, ValueError):
     """LSG settings that do not fit the model; the message names the field."""
 
 

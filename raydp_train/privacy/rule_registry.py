@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from raydp_train.errors import UserError
 
-class UnsupportedLayerError(TypeError):
+
+class UnsupportedLayerError(UserError, TypeError):
     """A module owns trainable parameters the clipping engine cannot handle."""
 
 

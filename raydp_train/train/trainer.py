@@ -15,7 +15,7 @@ from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
 from raydp_train.budget_actor import BudgetClient
-from raydp_train.pipeline import Pipeline, pipeline_from_dict
+from raydp_train.config.pipeline import Pipeline, pipeline_from_dict
 from raydp_train.plan import PrivacyPlan
 from raydp_train.quiet import ray_logging_level
 from raydp_train.train.charges import ChargeLedger, RunAccount, epsilon_cap

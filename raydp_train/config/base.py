@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
-from raydp_train.config_errors import FieldProblem, show
+from raydp_train.config.errors import FieldProblem, show
 
 
 class Section(BaseModel):

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from raydp_train.pipeline import Pipeline, PipelineError, dump_pipeline
+from raydp_train.config.pipeline import Pipeline, PipelineError, dump_pipeline
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.ledger import as_uri
 from raydp_train.privacy.mechanism import mechanism_named
@@ -179,6 +179,6 @@ def _cell(value, width: int) -> str:
 
 
 def write_plots(record: dict, run_dir: Path) -> list[Path]:
-    from raydp_train.plots import run_figures, save
+    from raydp_train.reports.plots import run_figures, save
 
     return [save(figure, Path(run_dir) / name) for name, figure in run_figures(record).items()]

@@ -1,7 +1,9 @@
 """The pipeline YAML: its schema, defaults, validation, overrides and error messages.
 
 This is the only module that reads the raw config. Everything else receives a validated
-`Pipeline`, so a field's default and its allowed range are written down exactly once, here.
+`Pipeline`, so a field's default and its allowed range are written down exactly once, here
+or in the section modules it assembles (`config/data_model.py`, `config/training.py`,
+`config/sweep.py`).
 """
 
 from __future__ import annotations
@@ -10,21 +12,28 @@ import copy
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 import yaml
-from pydantic import (
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, model_validator
 
-from raydp_train.config_base import SafeName, Section, exactly_one
-from raydp_train.config_errors import FieldProblem, PipelineError, describe, show, yaml_problem
-from raydp_train.config_paths import resolve_relative_paths
-from raydp_train.config_training import ParamGroup, TrainingConfig
-from raydp_train.sweep_config import BudgetConfig, TuneConfig
+from raydp_train.config.base import SafeName, Section, exactly_one
+from raydp_train.config.data_model import (
+    CnnModel,
+    DataConfig,
+    DigitsData,
+    HFModel,
+    LogisticModel,
+    MlpModel,
+    ModelConfig,
+    ParquetData,
+    SyntheticData,
+    ValidationSplit,
+)
+from raydp_train.config.errors import FieldProblem, PipelineError, describe, show, yaml_problem
+from raydp_train.config.paths import resolve_relative_paths
+from raydp_train.config.sweep import BudgetConfig, TuneConfig
+from raydp_train.config.training import ParamGroup, TrainingConfig
 
 __all__ = [
     "BudgetConfig",
@@ -52,171 +61,6 @@ __all__ = [
     "pipeline_from_dict",
 ]
 
-
-# --- data -------------------------------------------------------------------------------------
-
-TrainFraction = Annotated[float, Field(gt=0, lt=1)]
-
-
-class ValidationSplit(Section):
-    """Rows held out of the training set to select hyperparameters on (ARCHITECTURE.md §2.5)."""
-
-    fraction: float | None = Field(None, gt=0, lt=1)  # of the training rows, not trained on
-    path: str | None = Field(None, min_length=1)  # OR a file of its own (source parquet)
-    private: bool = True  # false only if these rows may be published as they are
-    # Gaussian noise (std, in examples) on the released count of correct predictions; each
-    # release is charged to the privacy account. Required to select on private rows.
-    noise_multiplier: float | None = Field(None, gt=0)
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ValidationSplit:
-        exactly_one(self, "fraction", "path", "fraction")
-        return self
-
-
-class SyntheticData(Section):
-    source: Literal["synthetic"]
-    validation: ValidationSplit | None = None
-    n_samples: int = Field(1000, ge=10)
-    n_features: int = Field(20, gt=0)
-    n_informative: int = Field(10, gt=0)
-    n_redundant: int = Field(5, ge=0)
-    flip_y: float = Field(0.05, ge=0, le=1)
-    random_state: int = 42
-    train_fraction: TrainFraction = 0.8
-
-    @model_validator(mode="after")
-    def _features_fit(self) -> SyntheticData:
-        if self.n_informative + self.n_redundant > self.n_features:
-            raise FieldProblem(
-                f"n_informative + n_redundant must be <= n_features, got "
-                f"{self.n_informative} + {self.n_redundant} > {self.n_features}", "n_informative")
-        return self
-
-
-class DigitsData(Section):
-    source: Literal["sklearn_digits"]
-    validation: ValidationSplit | None = None
-    train_fraction: TrainFraction = 0.8
-    random_state: int = 42
-
-
-class ParquetData(Section):
-    source: Literal["parquet"]
-    validation: ValidationSplit | None = None
-    path: str = Field(min_length=1)
-    test_path: str | None = None
-    feature_columns: list[str] | None = Field(None, min_length=1)
-    # Public statistics per feature column, {column: [mean, std]}: x -> (x - mean) / std.
-    # Never fitted on the private rows (that would be a release outside the accounting).
-    normalize: dict[str, tuple[float, float]] | None = None
-    tensor_column: str | None = None
-    text_column: str | None = None  # strings, tokenized by the model's tokenizer (model.kind hf)
-    max_length: int = Field(128, ge=2)  # tokens per text, padded or truncated
-    label_column: str = "label"
-    # Names of classes 0..K-1: a string label column is mapped by them, and they become the
-    # saved model's id2label.
-    label_names: list[str] | None = Field(None, min_length=2)
-    train_fraction: TrainFraction = 0.8  # used only when test_path is None
-    random_state: int = 42
-
-    @model_validator(mode="after")
-    def _one_feature_source(self) -> ParquetData:
-        given = [k for k in ("feature_columns", "tensor_column", "text_column")
-                 if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise FieldProblem("set exactly one of feature_columns, tensor_column or text_column "
-                               f"(got {', '.join(given) or 'none'})", "feature_columns")
-        for column, (_, std) in (self.normalize or {}).items():
-            if column not in (self.feature_columns or []):
-                raise FieldProblem(f"{column!r} is not one of data.feature_columns "
-                                   f"({', '.join(self.feature_columns or []) or 'none'})",
-                                   "normalize")
-            if not std > 0:
-                raise FieldProblem(f"{column}: the std must be > 0, got {std:g}", "normalize")
-        return self
-
-
-DataConfig = Annotated[SyntheticData | DigitsData | ParquetData, Field(discriminator="source")]
-
-# --- model ------------------------------------------------------------------------------------
-
-NumClasses = Annotated[int | None, Field(ge=2)]  # None: inferred from the labels
-PositiveInts = Annotated[list[Annotated[int, Field(gt=0)]], Field(min_length=1)]
-
-
-class LogisticModel(Section):
-    kind: Literal["logistic"]
-    num_classes: NumClasses = None
-
-
-class MlpModel(Section):
-    kind: Literal["mlp"]
-    hidden_sizes: PositiveInts = Field(default_factory=lambda: [64])
-    activation: Literal["relu", "tanh", "gelu"] = "relu"
-    num_classes: NumClasses = None
-
-
-class CnnModel(Section):
-    kind: Literal["cnn"]
-    channels: PositiveInts = Field(default_factory=lambda: [16, 32])
-    kernel_size: int = Field(3, ge=1)
-    hidden_size: int = Field(64, gt=0)
-    num_classes: NumClasses = None
-
-    @field_validator("kernel_size")
-    @classmethod
-    def _odd_kernel(cls, value: int) -> int:
-        # Odd kernels keep "same" padding symmetric.
-        if value % 2 == 0:
-            raise FieldProblem(f"must be odd, got {value}")
-        return value
-
-
-class LastLayers(Section):
-    last_k_layers: int = Field(ge=1)  # the classifier head plus the last k transformer blocks
-
-
-class HFModel(Section):
-    """A Hugging Face sequence classifier: pretrained (name_or_path) or random (config)."""
-
-    kind: Literal["hf"]
-    # A local folder, a hub name (offline with HF_HUB_OFFLINE=1) or package:<pkg>/<folder>;
-    # also where the tokenizer of text data comes from.
-    name_or_path: str | None = Field(None, min_length=1)
-    config: dict[str, Any] | None = None  # AutoConfig.for_model(**config): random init
-    task: Literal["sequence_classification"] = "sequence_classification"
-    num_labels: NumClasses = None
-    trainable: Literal["all"] | LastLayers | Annotated[list[str], Field(min_length=1)] = "all"
-    # cls: the model's own head ([CLS] through BERT's pooler); mean: masked mean of the last
-    # hidden states into the final Linear. null: what the checkpoint was trained with (a
-    # sentence-transformers 1_Pooling/config.json beside the weights), else cls.
-    pooling: Literal["cls", "mean"] | None = None
-    # L2-normalise the mean-pooled vector; null: as the checkpoint (a sentence-transformers
-    # Normalize module in modules.json). Only with pooling mean.
-    normalize: bool | None = None
-    head_init: Literal["default", "zeros"] = "default"  # zeros: the final Linear starts at 0
-
-    @model_validator(mode="after")
-    def _a_model_source(self) -> HFModel:
-        if self.name_or_path is None and self.config is None:
-            raise FieldProblem("set name_or_path (pretrained) or config (random init)",
-                               "name_or_path")
-        if self.config is not None and "model_type" not in self.config:
-            raise FieldProblem("needs model_type, e.g. bert", "config")
-        if self.normalize and self.pooling == "cls":
-            raise FieldProblem("normalizes the mean-pooled vector: only with pooling: mean",
-                               "normalize")
-        return self
-
-    @property
-    def num_classes(self) -> int | None:
-        return self.num_labels
-
-
-ModelConfig = Annotated[
-    LogisticModel | MlpModel | CnnModel | HFModel, Field(discriminator="kind")
-]
 
 # --- privacy, training, run -------------------------------------------------------------------
 
@@ -343,7 +187,7 @@ def _check_tune(p: Pipeline) -> None:
 
 def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> Pipeline:
     """Read, override and validate a pipeline YAML file. Its relative input paths resolve
-    against its folder, those of `overrides` against the current directory (config_paths)."""
+    against its folder, those of `overrides` against the current directory (config/paths.py)."""
     source = str(path)
     try:
         text = Path(path).read_text()

@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from raydp_train.config_base import Section
-from raydp_train.config_errors import FieldProblem
+from raydp_train.config.base import Section
+from raydp_train.config.errors import FieldProblem
 
 
 class ParamGroup(Section):

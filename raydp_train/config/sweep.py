@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from raydp_train.config_base import SafeName, Section
-from raydp_train.config_errors import FieldProblem, show
+from raydp_train.config.base import SafeName, Section
+from raydp_train.config.errors import FieldProblem, show
 
 # --- budget and tune --------------------------------------------------------------------------
 

@@ -12,8 +12,8 @@ gradient; along the watched weight, in units of C, step t shows
     s = M / sqrt(M^2 + 1)   (the share of the clipped canary gradient on the watched weight)
 
 (the real examples add exactly 0 there), and the run's score is the log-likelihood ratio of
-"in" against "out" (privacy/audit.py). A threshold test on the scores, Clopper-Pearson and the
-(epsilon, delta) inequalities give a lower bound on the epsilon of the audited configuration:
+"in" against "out" (privacy/audit_bounds.py). A threshold test on the scores, Clopper-Pearson
+and the (epsilon, delta) inequalities give a lower bound on the epsilon of the audited configuration:
 the pipeline's q, sigma, C, delta and steps, whose claimed epsilon comes from the accountant.
 An audit is an experiment, not a release: it spends nothing from any budget.
 """
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from raydp_train.models import ModelError, build_model
 from raydp_train.plan import PlanError, PrivacyPlan
 from raydp_train.privacy.accounting import epsilon_spent
-from raydp_train.privacy.audit import (
+from raydp_train.privacy.audit_bounds import (
     MembershipTest,
     largest_provable_epsilon,
     membership_test,

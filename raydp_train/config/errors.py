@@ -14,8 +14,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from raydp_train.errors import UserError
 
-class PipelineError(ValueError):
+
+class PipelineError(UserError, ValueError):
     """A config that cannot be used; str() is a header naming `source`, then one line per problem."""
 
     def __init__(self, source: str, problems: Sequence[str]) -> None:

@@ -8,7 +8,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydp_train.plots import privacy_utility_figure, save
+from raydp_train.reports.plots import privacy_utility_figure, save
 
 
 def write_sweep_outputs(sweep, pipeline, on_line) -> None:

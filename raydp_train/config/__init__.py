@@ -1,0 +1,1 @@
+"""The pipeline schema: its sections, checks, error messages and loading."""

@@ -1,0 +1,1 @@
+"""What a run, a sweep and a budget report: records, tables, plots."""
