@@ -114,9 +114,11 @@ class _forked:
         try:
             error = self._outcome.recv()
         except EOFError:
+            error = None
+        self._child.join()  # before reading its exit code: a dead child is reaped here
+        if error is None and self._child.exitcode != 0:
             error = RuntimeError(f"the model check's process died (exit code "
                                  f"{self._child.exitcode}); rerun with --verbose")
-        self._child.join()
         if error is not None:
             raise error
 

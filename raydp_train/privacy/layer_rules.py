@@ -294,35 +294,42 @@ def _drop_padded_tokens(x: Tensor, g: Tensor, normalized_dims: int) -> tuple[Ten
     return x, g
 
 
-@register_rule(nn.LayerNorm)
-class LayerNormRule(MaterializedRule):
-    """gamma_i = sum_t G_i[t] * xhat_i[t], beta_i = sum_t G_i[t] over the non-normalized axes."""
-
-    def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
-        shape = module.normalized_shape
-        x, g = _drop_padded_tokens(x, g, len(shape))
-        normalized = F.layer_norm(x, shape, eps=module.eps)
-        grads = {"weight": _sum_to_parameter(g * normalized, len(shape))}
-        if getattr(module, "bias", None) is not None:
-            grads["bias"] = _sum_to_parameter(g, len(shape))
-        return grads
-
-
-@register_rule(nn.RMSNorm)
-class RMSNormRule(MaterializedRule):
-    """gamma_i = sum_t G_i[t] * x_i[t] / rms(x_i[t])."""
+class NormRule(MaterializedRule):
+    """gamma_i = sum_t G_i[t] * normalized(x_i[t]) (beta_i = sum_t G_i[t] when there is a
+    bias), summed over the non-normalized axes; padding tokens cut first."""
 
     def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
         shape = self.normalized_shape(module)
         x, g = _drop_padded_tokens(x, g, len(shape))
-        normalized = F.rms_norm(x, shape, eps=self.eps(module))
-        return {"weight": _sum_to_parameter(g * normalized, len(shape))}
+        grads = {"weight": _sum_to_parameter(g * self.normalized(module, x, shape), len(shape))}
+        if getattr(module, "bias", None) is not None:
+            grads["bias"] = _sum_to_parameter(g, len(shape))
+        return grads
+
+    def normalized(self, module: nn.Module, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+        raise NotImplementedError
 
     def normalized_shape(self, module: nn.Module) -> tuple[int, ...]:
-        return module.normalized_shape
+        return tuple(module.normalized_shape)
 
     def eps(self, module: nn.Module) -> float | None:
         return module.eps
+
+
+@register_rule(nn.LayerNorm)
+class LayerNormRule(NormRule):
+    """xhat = (x - mean) / sqrt(var + eps)."""
+
+    def normalized(self, module: nn.Module, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+        return F.layer_norm(x, shape, eps=self.eps(module))
+
+
+@register_rule(nn.RMSNorm)
+class RMSNormRule(NormRule):
+    """x / rms(x), rms(x) = sqrt(mean(x^2) + eps)."""
+
+    def normalized(self, module: nn.Module, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+        return F.rms_norm(x, shape, eps=self.eps(module))
 
 
 @register_rule(nn.GroupNorm)
