@@ -11,7 +11,6 @@ from pathlib import Path
 
 from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.errors import UserError
-from raydp_train.privacy.budget import BudgetError
 from raydp_train.quiet import quiet_third_party
 
 # `run` and `tune` exit with this when the global budget refused to let them finish.
@@ -139,9 +138,9 @@ def _prepare(args):
 
 
 def validate(args) -> int:
+    pipeline, dataset, plan = _prepare(args)  # first: it forks before torch is imported
     from raydp_train.validate import print_validation
 
-    pipeline, dataset, plan = _prepare(args)
     return 0 if print_validation(pipeline, dataset, plan) else EXIT_BUDGET_EXHAUSTED
 
 
@@ -278,6 +277,7 @@ def budget_reset(args) -> int:
     import getpass
 
     from raydp_train.budget_actor import open_existing_budget
+    from raydp_train.privacy.budget import BudgetError
     from raydp_train.reports.budget import budget_status, status_text
     from raydp_train.resources import check_address
     from raydp_train.train.trainer import ensure_ray

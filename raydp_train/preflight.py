@@ -1,91 +1,59 @@
 """Every check that can fail on bad input, run BEFORE any budget is reserved or any noisy
-gradient released: the tokenizer loads, the data loads, the plan fits it, the model builds,
-every trainable layer is supported (with LSG's settings when asked for), and the
-optimizer's parameter groups, the schedule and the frozen-prefix cache fit the model and run."""
+gradient released (the checks themselves: checks.py). For `validate` of a text model, the
+model's checks (seconds of importing torch and transformers) start in a forked process on the
+other core before this process imports what checking the data and the plan needs, so the two
+halves import and run side by side; this module itself imports nothing heavy."""
 
 from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable
-from typing import Self
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Self
 
 from raydp_train.config.pipeline import Pipeline
-from raydp_train.data import Dataset, load_data
-from raydp_train.hf_prefix import FrozenPrefix
-from raydp_train.models import build_model, tokenizer_source
-from raydp_train.plan import PlanError, PrivacyPlan, make_plan
-from raydp_train.privacy.mechanism import make_mechanism
-from raydp_train.train.optim import make_optimizer, make_schedule, warmup_steps
+
+if TYPE_CHECKING:
+    from raydp_train.data import Dataset
+    from raydp_train.plan import PrivacyPlan
 
 
 def check_pipeline(pipeline: Pipeline, for_training: bool = True) -> tuple[Dataset, PrivacyPlan]:
     """The data and the plan, once every check passed. `for_training=False` (validate) makes
     the same checks on names, shapes and types only: text is not tokenized (so Ray is not
-    started) and a pretrained model is built on the meta device, its weights never read.
-    There, a text model's checks (seconds of importing transformers) run in a forked process
-    while this one checks the data and the plan; a data error is still reported first."""
+    started) and a pretrained model is built on the meta device, its weights never read; a
+    data error is still reported before a model error."""
     if not for_training and _is_text(pipeline):
         with _forked(_check_text_model, pipeline) as model_checked:
-            dataset, plan = _check_data_and_plan(pipeline, for_training)
-            warmup_steps(pipeline.training, plan.steps)
+            from raydp_train import checks
+
+            checks.check_tokenizer(pipeline)  # here: it balances the two processes' work
+            dataset, plan = checks.check_data_and_plan(pipeline, for_training)
+            checks.check_warmup(pipeline, plan.steps)
             model_checked.result()
         return dataset, plan
+    from raydp_train import checks
+
     if _is_text(pipeline):
-        _check_tokenizer(pipeline)  # a bad name_or_path fails here, not inside Ray Data
-    dataset, plan = _check_data_and_plan(pipeline, for_training)
-    model = _check_model(pipeline, dataset.feature_shape, dataset.num_classes, for_training)
-    make_schedule(make_optimizer(model, pipeline.training), pipeline.training, plan.steps)
+        checks.check_tokenizer(pipeline)  # a bad name_or_path fails here, not inside Ray Data
+    dataset, plan = checks.check_data_and_plan(pipeline, for_training)
+    model = checks.check_model(pipeline, dataset.feature_shape, dataset.num_classes, for_training)
+    checks.check_schedule(model, pipeline, plan.steps)
     return dataset, plan
 
 
 def _is_text(pipeline: Pipeline) -> bool:
-    return (tokenizer_source(pipeline.model) is not None
+    """A pretrained text model with its tokenizer (models.tokenizer_source, without importing
+    torch)."""
+    model = pipeline.model
+    return (model.kind == "hf" and model.name_or_path is not None
             and getattr(pipeline.data, "text_column", None) is not None)
 
 
-def _check_tokenizer(pipeline: Pipeline) -> None:
-    from raydp_train.hf import load_tokenizer
-
-    load_tokenizer(pipeline.model)
-
-
 def _check_text_model(pipeline: Pipeline) -> None:
-    """validate's checks of a text model, which need no data: token ids and masks of
-    `max_length`, and a head of `num_labels` outputs (2 when the data will say; no check
-    depends on the head's size)."""
-    _check_tokenizer(pipeline)
-    model = _check_model(pipeline, (2, pipeline.data.max_length),
-                         pipeline.model.num_classes or 2, for_training=False)
-    make_optimizer(model, pipeline.training)
+    """In the forked child."""
+    from raydp_train.checks import check_text_model
 
-
-def _check_data_and_plan(pipeline: Pipeline, for_training: bool) -> tuple[Dataset, PrivacyPlan]:
-    classes_field = "model.num_labels" if pipeline.model.kind == "hf" else "model.num_classes"
-    dataset = load_data(pipeline.data, pipeline.model.num_classes,
-                        tokenizer_source(pipeline.model), classes_field, tokenize=for_training)
-    # make_plan allows q = 1 (tests use it for an exact full-batch step); a pipeline may not.
-    if pipeline.training.batch_size >= dataset.num_train:
-        raise PlanError(
-            f"training.batch_size: must be < the {dataset.num_train} training examples (q = "
-            "batch_size / N must be < 1: at q = 1 every step takes every example, with no "
-            f"amplification by sampling), got {pipeline.training.batch_size}")
-    return dataset, make_plan(pipeline, dataset.num_train)
-
-
-def _check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes: int,
-                 for_training: bool) -> nn.Module:
-    """The model builds, the mechanism attaches to it (every trainable layer is supported,
-    with LSG's settings when asked for) and the frozen-prefix cache fits it."""
-    model = build_model(pipeline.model, feature_shape, num_classes, load_weights=for_training)
-    make_mechanism(pipeline.privacy, torch.Generator()).attach(
-        model, pipeline.privacy.clip_norm).close()
-    # These look at the parameters that train, so after the mechanism froze what it freezes.
-    if pipeline.training.cache_frozen_prefix:
-        FrozenPrefix(model)
-    return model
+    check_text_model(pipeline)
 
 
 class _forked:

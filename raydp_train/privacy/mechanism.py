@@ -8,22 +8,20 @@ computed and clipped (`attach`), what of the flat gradient buffer is all-reduced
 reaches the parameters (`reduce`, `write_back`), any state it derives from the weights
 (`refresh`, re-derived after a restore), and what one step costs (`dp_event`).
 
-No torch at module level: the budget's book asks `dp_event` here and must not load torch;
-`attach` imports what it builds.
+No torch and no dp-accounting at module level: the budget's book asks `dp_event` here and
+must not load torch, and validate's forked model check (preflight.py) must not load
+dp-accounting; each method imports what it uses.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-import dp_accounting
-
-from raydp_train.privacy.accounting import dpsgd_event
-
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
+    import dp_accounting
     import torch
     from torch import Tensor, nn
 
@@ -68,6 +66,8 @@ class Mechanism:
                  steps: int) -> dp_accounting.DpEvent:
         """`steps` Poisson-subsampled Gaussian mechanisms on a sum of contributions of norm
         at most C, noised with std sigma*C (ARCHITECTURE.md §2.5)."""
+        from raydp_train.privacy.accounting import dpsgd_event
+
         return dpsgd_event(sampling_rate, noise_multiplier, steps)
 
     @staticmethod
@@ -188,6 +188,8 @@ class NonPrivate(Mechanism):
     @classmethod
     def dp_event(cls, sampling_rate: float, noise_multiplier: float,
                  steps: int) -> dp_accounting.DpEvent:
+        import dp_accounting
+
         return dp_accounting.NonPrivateDpEvent()
 
     @staticmethod
