@@ -7,6 +7,7 @@ halves import and run side by side; this module itself imports nothing heavy."""
 from __future__ import annotations
 
 import multiprocessing
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Self
 
@@ -22,7 +23,8 @@ def check_pipeline(pipeline: Pipeline, for_training: bool = True) -> tuple[Datas
     the same checks on names, shapes and types only: text is not tokenized (so Ray is not
     started) and a pretrained model is built on the meta device, its weights never read; a
     data error is still reported before a model error."""
-    if not for_training and _is_text(pipeline):
+    # Never fork a process that runs Ray's threads (a sweep's driver checks its candidates here).
+    if not for_training and _is_text(pipeline) and not _ray_running():
         with _forked(_check_text_model, pipeline) as model_checked:
             from raydp_train import checks
 
@@ -47,6 +49,11 @@ def _is_text(pipeline: Pipeline) -> bool:
     model = pipeline.model
     return (model.kind == "hf" and model.name_or_path is not None
             and getattr(pipeline.data, "text_column", None) is not None)
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 def _check_text_model(pipeline: Pipeline) -> None:

@@ -2,6 +2,8 @@
 prints the epsilon left and, for a sweep, the whole search's epsilon, and exits 3 when the
 budget cannot pay."""
 
+import sys
+
 import dp_accounting
 import pytest
 from dp_accounting import rdp
@@ -194,3 +196,20 @@ def test_a_forked_check_reports_its_error_or_its_death():
         failing.result()
     with _forked(die) as dying, pytest.raises(RuntimeError, match="died \\(exit code 7\\)"):
         dying.result()
+
+
+def test_a_process_running_ray_is_never_forked(tmp_path, monkeypatch):
+    """A sweep's driver (Ray's threads running) checks its candidates without forking."""
+    import types
+
+    from raydp_train import preflight
+    from raydp_train.config.pipeline import load_pipeline
+
+    def refuse(*args):
+        raise AssertionError("forked a process that runs Ray")
+
+    monkeypatch.setattr(preflight, "_forked", refuse)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
+    pipeline = load_pipeline(text_pipeline(tmp_path))
+    dataset, plan = preflight.check_pipeline(pipeline, for_training=False)
+    assert plan.num_examples == 48 and dataset.num_train == 48
