@@ -37,6 +37,10 @@ def _steps_in_ledger(status: dict, owner_suffix: str) -> int:
                for owner, entry in status["owners"].items() if owner.endswith(owner_suffix))
 
 
+def checkpoints(run_dir: Path) -> list[Path]:
+    return [c for c in run_dir.glob("checkpoint_*") if c.is_dir()]
+
+
 def test_ctrl_c_stops_before_the_next_epoch_and_the_resume_stays_within_the_target(
     ray_session, tmp_path
 ):
@@ -66,6 +70,7 @@ def test_ctrl_c_stops_before_the_next_epoch_and_the_resume_stays_within_the_targ
     newest = json.loads((newest_checkpoint(run_dir) / "progress.json").read_text())
     charged = ChargeLedger(str(run_dir)).total().steps
     assert newest["epoch"] >= 3
+    assert len(checkpoints(run_dir)) <= 2  # run.keep_checkpoints: 2
     assert charged == newest["step"]  # every epoch charged was run and saved
     status = budget_status("interrupted", f"{tmp_path}/budgets")  # replays the ledger
     assert _steps_in_ledger(status, run_dir.name) == charged
@@ -76,6 +81,9 @@ def test_ctrl_c_stops_before_the_next_epoch_and_the_resume_stays_within_the_targ
     assert privacy["steps"] == privacy["planned_steps"] == 500  # 40 epochs of 12.5 steps
     assert privacy["steps_charged_twice"] == 0
     assert privacy["epsilon"] <= 3.0
+    kept = sorted(json.loads((c / "progress.json").read_text())["epoch"]
+                  for c in checkpoints(run_dir))
+    assert kept == [39, 40]  # only the newest two of 40 epochs' checkpoints stay
     status = budget_status("interrupted", f"{tmp_path}/budgets")
     assert _steps_in_ledger(status, run_dir.name) == 500
 

@@ -126,6 +126,8 @@ class RunConfig(Section):
     noise: Literal["fast", "secure"] = "fast"
     output_dir: str = "runs"  # a run writes <output_dir>/<name>-<time>/
     max_failures: int = Field(0, ge=0)  # worker-group restarts from the last checkpoint
+    # The newest k epochs' checkpoints (model + optimizer state) stay; older ones are deleted.
+    keep_checkpoints: int = Field(2, ge=1)
 
     @model_validator(mode="after")
     def _secure_is_unseeded(self) -> RunConfig:

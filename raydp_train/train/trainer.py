@@ -93,7 +93,7 @@ def fit(
             failure_config=FailureConfig(
                 max_failures=pipeline.run.max_failures, controller_failure_limit=3
             ),
-            checkpoint_config=CheckpointConfig(),
+            checkpoint_config=CheckpointConfig(num_to_keep=pipeline.run.keep_checkpoints),
             callbacks=callbacks,
         ),
     )
