@@ -87,8 +87,9 @@ def row(name: str, runs: list[dict]) -> str:
     if not good:
         return f"| {name} | failed: {runs[-1]['error'][:80]} | | | | | | | |"
     first = good[0]
-    walls = " / ".join(f"{r['wall_s'] / 60:.1f}" for r in good)
-    loads = " / ".join(f"{r['load']:.1f}" for r in good)
+    # * a run of the same worker loop in-process (benchmarks/lsg_diagnosis.py), not via the CLI
+    walls = " / ".join(f"{r['wall_s'] / 60:.1f}{'*' if 'harness' in r else ''}" for r in good)
+    loads = " / ".join("?" if r["load"] is None else f"{r['load']:.1f}" for r in good)
     done = f"{len(good)}" + ("" if len(good) == seeds else f" of {seeds}")
     return (f"| {name} | {_mean_std([r['test_accuracy'] for r in good])} | "
             f"{_mean_std([r['validation_accuracy'] for r in good])} | {done} | "
@@ -112,7 +113,9 @@ def section(runs: dict[str, list[dict]]) -> str:
               "numbers trained per step | wall time per seed | load |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [row(name, runs[name]) for name in VARIANTS if runs.get(name)]
-    return "\n".join([*lines, "", BEFORE])
+    harnesses = sorted({r["harness"] for v in runs.values() for r in v if "harness" in r})
+    notes = [f"\\* {harness}" for harness in harnesses]
+    return "\n".join([*lines, "", *notes, *([""] if notes else []), BEFORE])
 
 
 def main() -> None:
