@@ -36,7 +36,7 @@ SEEDS = (0, 1)
 
 
 def non_private(pipeline, steps: int, seed: int) -> tuple[float, float]:
-    data = load_data(pipeline.data)
+    data = load_data(pipeline.data).to_torch()
     torch.manual_seed(seed)
     model = build_model(pipeline.model, data.feature_shape, data.num_classes)
     optimizer = make_optimizer(model, pipeline.training)

@@ -28,7 +28,7 @@ from step_overhead import write_section
 
 from raydp_train.config.pipeline import load_pipeline
 from raydp_train.data import Dataset
-from raydp_train.hf import resolve_name_or_path
+from raydp_train.hf_files import resolve_name_or_path
 from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.models import build_model
 from raydp_train.plan import make_plan

@@ -164,6 +164,7 @@ class _CanaryRuns:
 
     def __init__(self, pipeline, dataset, plan: PrivacyPlan, seed: int):
         self.plan, self.training = plan, pipeline.training
+        dataset = dataset.to_torch()
         real = dataset.train_features.reshape(dataset.num_train, -1).float()
         extra = real.shape[1]  # index of the extra input
         canary_input = CANARY_INPUT_PER_CLIP_NORM * max(plan.clip_norm, 1.0)

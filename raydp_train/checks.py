@@ -1,43 +1,45 @@
 """The checks preflight runs (preflight.py says in which order and where), each of which can
 fail on bad input: the tokenizer loads, the data loads, the plan fits it, the model builds,
 the mechanism attaches to it (every trainable layer is supported), and the optimizer's
-parameter groups, the schedule and the frozen-prefix cache fit the model."""
+parameter groups, the schedule and the frozen-prefix cache fit the model. Importing this
+module is light: the model checks import torch and transformers when they run, so that
+validate's data and plan checks never wait for them."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
 from raydp_train.config.pipeline import Pipeline
-from raydp_train.hf_prefix import FrozenPrefix
-from raydp_train.models import build_model, tokenizer_source
-from raydp_train.privacy.mechanism import make_mechanism
-from raydp_train.train.optim import make_optimizer, make_schedule, warmup_steps
+from raydp_train.hf_files import check_tokenizer as check_tokenizer_files
+from raydp_train.hf_files import load_tokenizer, tokenizer_source
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from raydp_train.data import Dataset
     from raydp_train.plan import PrivacyPlan
 
 
-def check_tokenizer(pipeline: Pipeline) -> None:
-    from raydp_train.hf import load_tokenizer
-
-    load_tokenizer(pipeline.model)
+def check_tokenizer(pipeline: Pipeline, for_training: bool = True) -> None:
+    """Training loads the tokenizer as its data workers will; validate reads its file."""
+    if for_training:
+        load_tokenizer(pipeline.model)
+    else:
+        check_tokenizer_files(pipeline.model)
 
 
 def check_text_model(pipeline: Pipeline) -> None:
     """validate's checks of a text model, which need no data: token ids and masks of
     `max_length`, and a head of `num_labels` outputs (2 when the data will say; no check
     depends on the head's size; the tokenizer is checked apart)."""
+    from raydp_train.train.optim import make_optimizer
+
     model = check_model(pipeline, (2, pipeline.data.max_length),
-                         pipeline.model.num_classes or 2, for_training=False)
+                        pipeline.model.num_classes or 2, for_training=False)
     make_optimizer(model, pipeline.training)
 
 
 def check_data_and_plan(pipeline: Pipeline, for_training: bool) -> tuple[Dataset, PrivacyPlan]:
-    # Imported here: validate's forked model check imports this module, not dp-accounting.
     from raydp_train.data import load_data
     from raydp_train.plan import PlanError, make_plan
 
@@ -54,9 +56,15 @@ def check_data_and_plan(pipeline: Pipeline, for_training: bool) -> tuple[Dataset
 
 
 def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes: int,
-                 for_training: bool) -> nn.Module:
+                for_training: bool) -> nn.Module:
     """The model builds, the mechanism attaches to it (every trainable layer is supported,
     with LSG's settings when asked for) and the frozen-prefix cache fits it."""
+    import torch
+
+    from raydp_train.hf_prefix import FrozenPrefix
+    from raydp_train.models import build_model
+    from raydp_train.privacy.mechanism import make_mechanism
+
     model = build_model(pipeline.model, feature_shape, num_classes, load_weights=for_training)
     make_mechanism(pipeline.privacy, torch.Generator()).attach(
         model, pipeline.privacy.clip_norm).close()
@@ -68,9 +76,6 @@ def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes:
 
 def check_schedule(model: nn.Module, pipeline: Pipeline, steps: int) -> None:
     """The optimizer's parameter groups fit the model, and the schedule the run's steps."""
+    from raydp_train.train.optim import make_optimizer, make_schedule
+
     make_schedule(make_optimizer(model, pipeline.training), pipeline.training, steps)
-
-
-def check_warmup(pipeline: Pipeline, steps: int) -> None:
-    """The schedule's warmup fits the run's steps (validate: the model is checked apart)."""
-    warmup_steps(pipeline.training, steps)

@@ -8,6 +8,7 @@ digits pixels are scaled by their fixed range.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
-from torch import Tensor
 
 from raydp_train.errors import UserError
 
@@ -27,14 +26,16 @@ class DataError(UserError, ValueError):
 
 @dataclass
 class Dataset:
-    train_features: Tensor
-    train_labels: Tensor
-    test_features: Tensor
-    test_labels: Tensor
+    """numpy arrays, read without torch (validate stays light); `to_torch` for training."""
+
+    train_features: np.ndarray
+    train_labels: np.ndarray
+    test_features: np.ndarray
+    test_labels: np.ndarray
     num_classes: int
     # Held out of training to select hyperparameters on (`data.validation`); may be empty.
-    validation_features: Tensor | None = None
-    validation_labels: Tensor | None = None
+    validation_features: np.ndarray | None = None
+    validation_labels: np.ndarray | None = None
 
     @property
     def num_train(self) -> int:
@@ -48,9 +49,22 @@ class Dataset:
         """What a test accuracy must beat: chance (1/K) and always answering the test split's
         most common class. The latter reads only the held-out test labels, which every epoch
         scores without noise anyway; no training row is looked at, so it costs no privacy."""
-        counts = torch.bincount(self.test_labels, minlength=self.num_classes)
+        counts = np.bincount(np.asarray(self.test_labels), minlength=self.num_classes)
         return {"chance": 1 / self.num_classes,
                 "test_majority_class": counts.max().item() / max(len(self.test_labels), 1)}
+
+    def to_torch(self) -> Dataset:
+        """The same splits as torch tensors that share the arrays' memory (read-only arrays
+        from Ray's object store too: training never writes to its data)."""
+        import torch
+
+        arrays = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                  if field.name != "num_classes"}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            tensors = {name: None if value is None else torch.as_tensor(value)
+                       for name, value in arrays.items()}
+        return dataclasses.replace(self, **tensors)
 
 
 def load_data(config, num_classes: int | None = None, tokenizer: str | None = None,
@@ -76,13 +90,11 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
                 f"data: {name} labels must lie in [0, {classes - 1}] for {classes} classes "
                 f"({classes_field}), got values in [{values.min()}, {values.max()}]"
             )
-    dataset = Dataset(
-        _features(features), torch.as_tensor(labels, dtype=torch.int64),
-        _features(test_features), torch.as_tensor(test_labels, dtype=torch.int64), classes,
-    )
+    dataset = Dataset(_features(features), labels.astype(np.int64),
+                      _features(test_features), test_labels.astype(np.int64), classes)
     if validation is not None:
         dataset.validation_features = _features(validation[0])
-        dataset.validation_labels = torch.as_tensor(validation[1], dtype=torch.int64)
+        dataset.validation_labels = validation[1].astype(np.int64)
     elif config.validation is not None:
         _hold_out_validation(dataset, config.validation.fraction, config.random_state)
     return dataset
@@ -111,11 +123,11 @@ def _classes(config, num_classes: int | None, classes_field: str, splits: list) 
     return classes
 
 
-def _features(values: np.ndarray) -> Tensor:
+def _features(values: np.ndarray) -> np.ndarray:
     """Token ids stay integers; everything else is float32."""
     if np.issubdtype(values.dtype, np.integer) and values.ndim == 3 and values.shape[1] == 2:
-        return torch.as_tensor(values, dtype=torch.int64)
-    return torch.as_tensor(values, dtype=torch.float32)
+        return values.astype(np.int64, copy=False)
+    return values.astype(np.float32, copy=False)
 
 
 def check_text_file(path: Path, text_column: str, label_column: str, field: str) -> int:
@@ -184,8 +196,8 @@ def _hold_out_validation(dataset: Dataset, fraction: float, seed: int) -> None:
         raise DataError(
             f"data.validation.fraction: {fraction} of {n} training rows leaves an empty split"
         )
-    order = torch.from_numpy(np.random.default_rng(seed).permutation(n))
-    held, kept = order[:count], order[count:].sort().values
+    order = np.random.default_rng(seed).permutation(n)
+    held, kept = order[:count], np.sort(order[count:])
     dataset.validation_features = dataset.train_features[held]
     dataset.validation_labels = dataset.train_labels[held]
     dataset.train_features = dataset.train_features[kept]
@@ -301,7 +313,20 @@ def _numeric(column: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:
         raise DataError(f"data: column '{name}' in {path} is {column.type}, expected numbers")
     if column.null_count:
         raise DataError(f"data: column '{name}' in {path} has {column.null_count} null values")
-    return column.to_numpy().astype(np.float64)
+    return _buffers_as_numpy(column).astype(np.float64)
+
+
+# Arrow's floating types by name; its integer types are named as numpy's.
+_ARROW_FLOATS = {"halffloat": np.float16, "float": np.float32, "double": np.float64}
+
+
+def _buffers_as_numpy(column: pa.ChunkedArray) -> np.ndarray:
+    """A column of numbers without nulls, read from its data buffers: pyarrow's own to_numpy
+    imports pandas, half a second of validate's time."""
+    dtype = np.dtype(_ARROW_FLOATS.get(str(column.type), str(column.type)))
+    parts = [np.frombuffer(chunk.buffers()[1], dtype, len(chunk), chunk.offset * dtype.itemsize)
+             for chunk in column.chunks]
+    return np.concatenate(parts) if parts else np.empty(0, dtype)
 
 
 def _labels(column: pa.ChunkedArray, path: Path, config) -> np.ndarray:

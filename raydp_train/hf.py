@@ -4,44 +4,24 @@
 [B, 2, T] (token ids and attention mask stacked, as the data loader stores text) and always
 passes position ids of shape [B, T]: a broadcast [1, T] would reach the position embedding
 with a leading dimension that is not the example dimension, which the clipping engine refuses.
-Models load from a local directory, a hub name (offline with HF_HUB_OFFLINE=1), or
-`package:<python package>/<folder>` for a checkpoint shipped inside an installed package.
+Where models load from: hf_files.py.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from raydp_train.hf_files import HFModelError, resolve_name_or_path
 from raydp_train.hf_heads import (
-    HFModelError,
     MeanPoolingHead,
     classification_head,
     initialize_head,
     resolve_pooling,
     unused_by_mean_pooling,
 )
-
-
-def resolve_name_or_path(name_or_path: str) -> str:
-    """`package:pkg/sub/dir` -> the installed folder; other values are returned as given."""
-    if not name_or_path.startswith("package:"):
-        return name_or_path
-    package, _, inside = name_or_path.removeprefix("package:").partition("/")
-    spec = importlib.util.find_spec(package) if package else None
-    if spec is None or not spec.submodule_search_locations:
-        raise HFModelError(
-            f"model.name_or_path: package {package!r} is not installed (from {name_or_path!r}); "
-            "pip install it, or give a directory"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations))) / inside
-    if not folder.is_dir():
-        raise HFModelError(f"model.name_or_path: {folder} (from {name_or_path!r}) is not a folder")
-    return str(folder)
 
 
 class SequenceClassifier(nn.Module):
@@ -120,23 +100,6 @@ def _transformers_model(config, folder: str | None, num_labels: int, load_weight
         return classifier.from_config(hf_config)
     with torch.device("meta"):
         return classifier.from_config(hf_config)
-
-
-def load_tokenizer(config):
-    import transformers
-
-    path = resolve_name_or_path(config.name_or_path)
-    # A hub name is `name` or `org/name`; anything else is a folder, and must be one.
-    if path.startswith((".", "/")) or path.count("/") > 1:
-        if not Path(path).is_dir():
-            raise HFModelError(f"model.name_or_path: folder not found: {path}")
-        if not any((Path(path) / f).is_file() for f in ("config.json", "tokenizer_config.json")):
-            raise HFModelError(f"model.name_or_path: {path} holds no Hugging Face model or "
-                               "tokenizer (no config.json or tokenizer_config.json)")
-    try:
-        return transformers.AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        raise HFModelError(f"model.name_or_path: no tokenizer in {path!r}: {error}") from error
 
 
 def _set_trainable(model: nn.Module, trainable, unused: set[str]) -> None:

@@ -17,13 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from raydp_train.errors import UserError
-
-
-class HFModelError(UserError, ValueError):
-    """The `model` section names a model that cannot be loaded or settings that do not fit it;
-    the message says which field."""
-
+from raydp_train.hf_files import HFModelError
 
 _SENTENCE_POOLING = "sentence_transformers.models.Pooling"
 _SENTENCE_NORMALIZE = "sentence_transformers.models.Normalize"

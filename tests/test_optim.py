@@ -34,7 +34,7 @@ def pipeline(**training):
 
 
 def model_of(p):
-    data = load_data(p.data)
+    data = load_data(p.data).to_torch()
     torch.manual_seed(0)
     return build_model(p.model, data.feature_shape, data.num_classes), data
 

@@ -213,3 +213,45 @@ def test_a_process_running_ray_is_never_forked(tmp_path, monkeypatch):
     pipeline = load_pipeline(text_pipeline(tmp_path))
     dataset, plan = preflight.check_pipeline(pipeline, for_training=False)
     assert plan.num_examples == 48 and dataset.num_train == 48
+
+
+# validate's own process checks the tokenizer, the data and the plan while the forked child
+# checks the model; they run side by side only if this half never waits for torch.
+LIGHT_HALF = """
+import sys
+from raydp_train import preflight
+from raydp_train.config.pipeline import load_pipeline
+
+preflight._check_text_model = lambda pipeline: None  # the child's half, not measured here
+dataset, plan = preflight.check_pipeline(load_pipeline(sys.argv[1], []), for_training=False)
+heavy = sorted({"torch", "transformers", "pandas", "ray"} & set(sys.modules))
+print(plan.steps, heavy)
+"""
+
+
+def test_validate_checks_data_plan_and_tokenizer_without_torch(tmp_path):
+    import subprocess
+    import sys
+
+    pipeline = text_pipeline(tmp_path, trainable={"last_k_layers": 1})
+    done = subprocess.run([sys.executable, "-c", LIGHT_HALF, pipeline], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    steps, heavy = done.stdout.split(maxsplit=1)
+    assert int(steps) > 0 and heavy.strip() == "[]"
+
+
+def test_a_broken_tokenizer_file_is_refused_by_name(tmp_path):
+    import shutil
+
+    from raydp_train.config.pipeline import load_pipeline
+    from raydp_train.hf_files import HFModelError, check_tokenizer, resolve_name_or_path
+
+    pipeline = load_pipeline(text_pipeline(tmp_path), [])
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_name_or_path(pipeline.model.name_or_path), folder)
+    config = pipeline.model.model_copy(update={"name_or_path": str(folder)})
+    check_tokenizer(config)  # the copy reads
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(HFModelError, match=f"cannot read the tokenizer {folder}/tokenizer.json"):
+        check_tokenizer(config)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from raydp_train.config.base import Section
 from raydp_train.config.errors import FieldProblem
+from raydp_train.errors import UserError
+
+
+class TrainingSetupError(UserError, ValueError):
+    """The training section does not fit the model or the run; the message names the field."""
 
 
 class ParamGroup(Section):
@@ -37,6 +43,17 @@ class TrainingConfig(Section):
     cache_frozen_prefix: bool = False
     workers: int = Field(1, ge=1)  # Ray Train workers, each clipping its own shard
     use_gpu: bool = False  # one GPU per worker; model, step and noise on it
+
+    def warmup_for(self, total_steps: int) -> int:
+        """warmup_steps as given, or ceil(warmup_fraction * steps) as Hugging Face's
+        warmup_ratio."""
+        if self.warmup_fraction is not None:
+            return math.ceil(self.warmup_fraction * total_steps)
+        warmup = self.warmup_steps or 0
+        if warmup > total_steps:
+            raise TrainingSetupError(f"training.warmup_steps: must be <= the run's {total_steps} "
+                                     f"steps, got {warmup}")
+        return warmup
 
     @model_validator(mode="after")
     def _one_warmup(self) -> TrainingConfig:

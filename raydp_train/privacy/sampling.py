@@ -3,12 +3,16 @@
 
 Each example joins a logical batch independently with probability ``q = B / N``; the batch size
 is random (possibly zero) and only its expectation ``B`` is fixed. Micro-batching only bounds
-memory: it changes nothing in the privacy analysis.
+memory: it changes nothing in the privacy analysis. The plan's arithmetic needs no torch (a
+pipeline's plan is checked without it), so the samplers import it when they run.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def sampling_rate(expected_batch_size: int, num_examples: int) -> float:
@@ -41,6 +45,8 @@ def poisson_sample(
 
     May be empty; the caller still takes the step (zero clipped sum plus noise).
     """
+    import torch
+
     included = torch.rand(num_examples, generator=generator) < sampling_rate
     return torch.nonzero(included, as_tuple=True)[0].to(torch.int64)
 
@@ -51,4 +57,4 @@ def micro_batches(indices: torch.Tensor, max_physical_batch: int) -> list[torch.
         raise ValueError(f"max_physical_batch must be >= 1, got {max_physical_batch}")
     if indices.numel() == 0:
         return []  # torch.split would give one empty chunk
-    return list(torch.split(indices, max_physical_batch))
+    return list(indices.split(max_physical_batch))

@@ -150,7 +150,7 @@ def save_hf_model(model, config, folder: Path, label_names: list[str] | None = N
         model.model.config.label2id = {name: i for i, name in enumerate(label_names)}
     model.model.save_pretrained(folder)
     if config.name_or_path is not None:
-        from raydp_train.hf import load_tokenizer
+        from raydp_train.hf_files import load_tokenizer
 
         load_tokenizer(config).save_pretrained(folder)
 

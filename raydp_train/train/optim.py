@@ -10,18 +10,13 @@ learning rate and weight decay apply to that gradient.
 from __future__ import annotations
 
 import fnmatch
-import math
 
 import torch
 from torch import nn
 
-from raydp_train.models import ModelError
+from raydp_train.config.training import TrainingSetupError
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-
-
-class TrainingSetupError(ModelError):
-    """`training` settings that do not fit the model or the run; the message names the field."""
 
 
 def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -69,23 +64,12 @@ def make_optimizer(model: nn.Module, training) -> torch.optim.Optimizer:
     return OPTIMIZERS[training.optimizer](parameter_groups(model, training), **options)
 
 
-def warmup_steps(training, total_steps: int) -> int:
-    """warmup_steps as given, or ceil(warmup_fraction * steps) as Hugging Face's warmup_ratio."""
-    if training.warmup_fraction is not None:
-        return math.ceil(training.warmup_fraction * total_steps)
-    warmup = training.warmup_steps or 0
-    if warmup > total_steps:
-        raise TrainingSetupError(f"training.warmup_steps: must be <= the run's {total_steps} "
-                                 f"steps, got {warmup}")
-    return warmup
-
-
 def make_schedule(optimizer: torch.optim.Optimizer, training, total_steps: int):
     """Hugging Face's scheduler of that name over `total_steps` logical steps (not re-derived
     here: `get_scheduler` is the reference)."""
     from transformers import get_scheduler
 
-    warmup = warmup_steps(training, total_steps)
+    warmup = training.warmup_for(total_steps)
     name = "constant_with_warmup" if training.schedule == "constant" and warmup else \
         training.schedule
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)

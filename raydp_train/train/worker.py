@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from raydp_train.data import load_data
+from raydp_train.hf_files import tokenizer_source
 from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
-from raydp_train.models import build_model, tokenizer_source
+from raydp_train.models import build_model
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.mechanism import Mechanism, make_mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_, make_generator, make_noise_generator
@@ -70,6 +71,7 @@ def train(
     if dataset is None:
         dataset = load_data(pipeline.data, pipeline.model.num_classes,
                             tokenizer_source(pipeline.model))
+    dataset = dataset.to_torch()
     shard = torch.arange(rank, dataset.num_train, world)  # disjoint shards cover the set
     if seed is not None:
         torch.manual_seed(seed)  # model initialization, reproducible only on request
