@@ -43,9 +43,14 @@ def check_data_and_plan(pipeline: Pipeline, for_training: bool) -> tuple[Dataset
     from raydp_train.data import load_data
     from raydp_train.plan import PlanError, make_plan
 
+    tokenize = for_training
+    if for_training:
+        from raydp_train.data_shards import file_splits
+
+        tokenize = file_splits(pipeline.data) is None  # else each worker tokenizes its shard
     classes_field = "model.num_labels" if pipeline.model.kind == "hf" else "model.num_classes"
     dataset = load_data(pipeline.data, pipeline.model.num_classes,
-                        tokenizer_source(pipeline.model), classes_field, tokenize=for_training)
+                        tokenizer_source(pipeline.model), classes_field, tokenize=tokenize)
     # make_plan allows q = 1 (tests use it for an exact full-batch step); a pipeline may not.
     if pipeline.training.batch_size >= dataset.num_train:
         raise PlanError(

@@ -36,6 +36,9 @@ class Dataset:
     # Held out of training to select hyperparameters on (`data.validation`); may be empty.
     validation_features: np.ndarray | None = None
     validation_labels: np.ndarray | None = None
+    # False: text read for checks only (validate, or splits each worker reads for itself):
+    # its token arrays are zeros of the right shape, never trained on.
+    features_read: bool = True
 
     @property
     def num_train(self) -> int:
@@ -49,22 +52,39 @@ class Dataset:
         """What a test accuracy must beat: chance (1/K) and always answering the test split's
         most common class. The latter reads only the held-out test labels, which every epoch
         scores without noise anyway; no training row is looked at, so it costs no privacy."""
-        counts = np.bincount(np.asarray(self.test_labels), minlength=self.num_classes)
-        return {"chance": 1 / self.num_classes,
-                "test_majority_class": counts.max().item() / max(len(self.test_labels), 1)}
+        return accuracy_baselines(np.bincount(np.asarray(self.test_labels),
+                                              minlength=self.num_classes))
+
+    def rows(self, rank: int, world_size: int) -> Dataset:
+        """Every split's rows r with r mod world_size = rank: one worker's share
+        (ARCHITECTURE.md §2.10)."""
+        return dataclasses.replace(self, **{name: None if value is None else
+                                            value[rank::world_size]
+                                            for name, value in self._arrays().items()})
+
+    def _arrays(self) -> dict:
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                if field.name not in ("num_classes", "features_read")}
 
     def to_torch(self) -> Dataset:
         """The same splits as torch tensors that share the arrays' memory (read-only arrays
         from Ray's object store too: training never writes to its data)."""
         import torch
 
-        arrays = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                  if field.name != "num_classes"}
+        if not self.features_read:
+            raise RuntimeError("this dataset's text was checked, not tokenized: not for training")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             tensors = {name: None if value is None else torch.as_tensor(value)
-                       for name, value in arrays.items()}
+                       for name, value in self._arrays().items()}
         return dataclasses.replace(self, **tensors)
+
+
+def accuracy_baselines(test_label_counts) -> dict[str, float]:
+    """Chance (1/K) and the share of the test split's most common class, from its label
+    counts (K of them)."""
+    counts = [int(count) for count in test_label_counts]
+    return {"chance": 1 / len(counts), "test_majority_class": max(counts) / max(sum(counts), 1)}
 
 
 def load_data(config, num_classes: int | None = None, tokenizer: str | None = None,
@@ -91,7 +111,8 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
                 f"({classes_field}), got values in [{values.min()}, {values.max()}]"
             )
     dataset = Dataset(_features(features), labels.astype(np.int64),
-                      _features(test_features), test_labels.astype(np.int64), classes)
+                      _features(test_features), test_labels.astype(np.int64), classes,
+                      features_read=tokenize or reader.numeric)
     if validation is not None:
         dataset.validation_features = _features(validation[0])
         dataset.validation_labels = validation[1].astype(np.int64)
@@ -124,9 +145,10 @@ def _classes(config, num_classes: int | None, classes_field: str, splits: list) 
 
 
 def _features(values: np.ndarray) -> np.ndarray:
-    """Token ids stay integers; everything else is float32."""
+    """Token ids and masks stay integers (int32: half of int64's memory; the model reads
+    them as int64); everything else is float32."""
     if np.issubdtype(values.dtype, np.integer) and values.ndim == 3 and values.shape[1] == 2:
-        return values.astype(np.int64, copy=False)
+        return values.astype(np.int32, copy=False)
     return values.astype(np.float32, copy=False)
 
 
@@ -149,7 +171,9 @@ def check_text_file(path: Path, text_column: str, label_column: str, field: str)
                         "expected strings")
     if rows == 0:
         raise DataError(f"{field}: {path} has no rows")
-    nulls = parquet.read(columns=[text_column]).column(text_column).null_count
+    # Batch by batch: the driver never holds a whole text column.
+    nulls = sum(batch.column(0).null_count for batch in
+                parquet.iter_batches(batch_size=65_536, columns=[text_column]))
     if nulls:
         raise DataError(f"data.text_column: '{text_column}' in {path} has {nulls} null rows")
     return rows
@@ -160,10 +184,11 @@ class _Reader:
 
     def __init__(self, config, tokenizer: str | None, tokenize: bool):
         self.config, self.tokenizer, self.tokenize = config, tokenizer, tokenize
+        self.numeric = getattr(config, "text_column", None) is None
 
     def read(self, path: Path, field: str) -> tuple[np.ndarray, np.ndarray]:
         config = self.config
-        if getattr(config, "text_column", None) is None:
+        if self.numeric:
             return _read_parquet(path, config, field)
         from raydp_train.text import tokenize_parquet
 
@@ -171,10 +196,10 @@ class _Reader:
         if self.tokenizer is None:
             raise DataError("data.text_column: text needs a tokenizer: use model.kind hf with "
                             "model.name_or_path")
-        labels = _labels(pq.ParquetFile(path).read(columns=[config.label_column])
-                         .column(config.label_column), path, config)
+        labels = labels_of(pq.ParquetFile(path).read(columns=[config.label_column])
+                           .column(config.label_column), path, config)
         if not self.tokenize:
-            return np.zeros((len(labels), 2, config.max_length), np.int64), labels
+            return np.zeros((len(labels), 2, config.max_length), np.int32), labels
         tokens = tokenize_parquet(path, config.text_column, self.tokenizer, config.max_length)
         return tokens, labels
 
@@ -270,16 +295,22 @@ def _read_parquet(path: Path, config, field: str) -> tuple[np.ndarray, np.ndarra
     table = pq.ParquetFile(path).read(columns=[*columns, config.label_column])
     if table.num_rows == 0:
         raise DataError(f"{field}: {path} has no rows")
-    labels = _labels(table.column(config.label_column), path, config)
-    if config.feature_columns:
-        features = np.stack([_numeric(table.column(c), path, c) for c in columns], axis=1)
-        features = _standardized(features, config)
-    else:
-        features = _tensor_column(table.column(config.tensor_column), path, config.tensor_column)
+    features, labels = numeric_rows(table, config, path)
     if not np.isfinite(features).all():
         rows = np.unique(np.nonzero(~np.isfinite(features.reshape(len(features), -1)))[0])
         raise DataError(f"{field}: {path} has NaN or inf features in rows {rows[:10].tolist()}")
     return features, labels
+
+
+def numeric_rows(table: pa.Table, config, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(features, labels) of a table of `config`'s numeric or tensor columns: what a data
+    worker makes of each batch of a file that `_read_parquet` checked whole."""
+    labels = labels_of(table.column(config.label_column), path, config)
+    if config.feature_columns:
+        columns = config.feature_columns
+        features = np.stack([_numeric(table.column(c), path, c) for c in columns], axis=1)
+        return _standardized(features, config), labels
+    return _tensor_column(table.column(config.tensor_column), path, config.tensor_column), labels
 
 
 class FeatureScaleWarning(UserWarning):
@@ -329,7 +360,7 @@ def _buffers_as_numpy(column: pa.ChunkedArray) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, dtype)
 
 
-def _labels(column: pa.ChunkedArray, path: Path, config) -> np.ndarray:
+def labels_of(column: pa.ChunkedArray, path: Path, config) -> np.ndarray:
     """Integer labels, or strings mapped to 0..K-1 by their place in `data.label_names`."""
     name, names = config.label_column, config.label_names
     if names is not None and pa.types.is_string(column.type):

@@ -39,8 +39,8 @@ class SequenceClassifier(nn.Module):
         return "cls" if self.pooling_head is None else "mean"
 
     def forward(self, tokens: Tensor) -> Tensor:
-        # contiguous copies: peers such as Opacus `.view` the ids of an embedding
-        input_ids, attention_mask = tokens[:, 0].contiguous(), tokens[:, 1].contiguous()
+        # int64 (the data stores int32) and contiguous: peers such as Opacus `.view` the ids
+        input_ids, attention_mask = tokens[:, 0].long().contiguous(), tokens[:, 1].long().contiguous()
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
                   "position_ids": self.position_ids(input_ids)}
         if self.pooling_head is None:

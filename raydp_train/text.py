@@ -1,7 +1,7 @@
 """Text in Parquet -> token id tensors, tokenized by Ray Data so the work spreads over the cluster.
 
 `read_parquet` + `map_batches(tokenize_batch)`: each Ray worker process loads the tokenizer
-once and turns a batch of sentences into [batch, 2, max_length] int64 (token ids and attention mask,
+once and turns a batch of sentences into [batch, 2, max_length] int32 (token ids and attention mask,
 padded or truncated to max_length). Row order is preserved, so splits stay deterministic.
 `data.check_text_file` checks the file's schema with pyarrow first, so a wrong column fails
 before Ray starts; this module knows nothing of the rest of the data layer (no import of it).
@@ -25,17 +25,17 @@ def _tokenizer(path: str):
 
 def tokenize_batch(batch: dict[str, np.ndarray], tokenizer_path: str, text_column: str,
                    max_length: int) -> dict[str, np.ndarray]:
-    """A batch of texts -> {"tokens": [batch, 2, max_length] int64 ids and attention mask}."""
+    """A batch of texts -> {"tokens": [batch, 2, max_length] int32 ids and attention mask}."""
     encoded = _tokenizer(tokenizer_path)(
         [str(text) for text in batch[text_column]], padding="max_length", truncation=True,
         max_length=max_length, return_tensors="np")
     tokens = np.stack([encoded["input_ids"], encoded["attention_mask"]], axis=1)
-    return {"tokens": tokens.astype(np.int64)}
+    return {"tokens": tokens.astype(np.int32)}
 
 
 def tokenize_parquet(path: Path, text_column: str, tokenizer_path: str,
                      max_length: int) -> np.ndarray:
-    """[N, 2, max_length] int64 token ids and masks of every row of `path`, in file order."""
+    """[N, 2, max_length] int32 token ids and masks of every row of `path`, in file order."""
     import ray.data
 
     context = ray.data.DataContext.get_current()

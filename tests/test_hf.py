@@ -13,6 +13,7 @@ import torch
 
 from raydp_train.cli import main
 from raydp_train.config.pipeline import HFModel, PipelineError, pipeline_from_dict
+from raydp_train.data import load_data
 from raydp_train.hf import build_hf_model
 from raydp_train.hf_files import HFModelError, resolve_name_or_path
 
@@ -84,7 +85,7 @@ def test_sst2_is_tokenized_by_ray_data_in_file_order(ray_session):
     path = SST2 / "dev.parquet"
     tokens = tokenize_parquet(path, "sentence", resolve_name_or_path(MINILM), max_length=32)
     sentences = pq.read_table(path).column("sentence").to_pylist()
-    assert tokens.shape == (872, 2, 32) and tokens.dtype == np.int64
+    assert tokens.shape == (872, 2, 32) and tokens.dtype == np.int32
     tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_name_or_path(MINILM))
     for row in (0, 431, 871):  # order preserved: each row decodes to its own sentence
         expected = tokenizer(sentences[row], truncation=True, max_length=32)["input_ids"]
@@ -144,13 +145,23 @@ def test_fine_tuning_on_two_workers_saves_a_reloadable_model(mechanism, ray_sess
     assert record["privacy"]["steps"] == 2 * 240 // 40 and record["privacy"]["workers"] == 2
     assert record["raydp_train_version"] == importlib.metadata.version("raydp-train")
     assert record["training"]["trained_numbers_per_step"] < record["training"]["model_parameters"]
-
     # model.pt and model/ hold the same weights (DP-LoRA's merged into the base layers).
     reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(run_dir / "model")
     trained = torch.load(run_dir / "model.pt")
     assert set(trained) == {f"model.{name}" for name in reloaded.state_dict()}
     for name, value in reloaded.state_dict().items():
         torch.testing.assert_close(value, trained[f"model.{name}"])
+    # Each worker read its own shard of the train file (Ray Data), together all 240 rows, and
+    # scored its part of the test file: the counts add up to the whole file's accuracy.
+    assert sum(record["training"]["training_rows_per_worker"]) == 240
+    assert len(record["training"]["training_rows_per_worker"]) == 2
+    test = load_data(pipeline_from_dict(pipeline).data, tokenizer=resolve_name_or_path(MINILM))
+    tokens = torch.as_tensor(test.test_features).long()
+    with torch.no_grad():
+        logits = reloaded(input_ids=tokens[:, 0], attention_mask=tokens[:, 1]).logits
+    predicted = (logits.argmax(1).numpy() == test.test_labels).mean()
+    assert record["metrics"][-1]["test_accuracy"] == pytest.approx(predicted, abs=1e-12)
+
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file() == (mechanism == "lora")
     assert (run_dir / "model" / "tokenizer.json").is_file()
     output = capsys.readouterr()

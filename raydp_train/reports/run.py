@@ -21,6 +21,7 @@ from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.ledger import as_uri
 from raydp_train.privacy.mechanism import mechanism_named
 from raydp_train.privacy.noise import NOISE_SOURCES
+from raydp_train.train.context import peak_rss_mb
 
 
 def new_run_dir(pipeline: Pipeline, kind: str = "") -> Path:
@@ -93,6 +94,7 @@ def training_statement(pipeline: Pipeline, result) -> dict:
         "trained_numbers_per_step": result.trained_per_step,
         "allreduce_numbers_per_step": result.trained_per_step,
         "allreduce_collectives_per_step": 1,
+        "training_rows_per_worker": result.shard_sizes,  # they sum to N (ARCHITECTURE.md §2.10)
     }
     if hasattr(result.model, "pooling"):  # hf: the pooling model.pooling: null resolved to
         head = result.model.pooling_head
@@ -120,6 +122,9 @@ def write_run_record(
         "training": training_statement(pipeline, result),
         "written_to": locations_statement(run_dir, pipeline),
         "baselines": result.baselines,  # accuracies to beat: chance, the test majority class
+        # Peak resident memory (MB) of this process and of each worker, to size a cluster by.
+        "memory": {"driver_peak_rss_mb": peak_rss_mb(),
+                   "worker_peak_rss_mb": result.peak_rss_mb},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         # Which engine produced the run: CHANGELOG.md says which versions to distrust for what.
         "raydp_train_version": raydp_train_version(),

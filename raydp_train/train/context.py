@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,6 +30,10 @@ class LocalContext:
         self.on_epoch = on_epoch
         self.account = account or RunAccount(MemoryCharges())
         self.device = torch.device("cpu")
+
+    def dataset_shards(self) -> dict | None:
+        """No Ray Data shards: the loop reads its data itself."""
+        return None
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         pass
@@ -61,7 +67,8 @@ class LocalContext:
 class RayTrainContext:
     """One rank of a Ray Train worker group (torch.distributed is set up by TorchTrainer)."""
 
-    def __init__(self, progress_queue, account: RunAccount, run_dir: str):
+    def __init__(self, progress_queue, account: RunAccount, run_dir: str,
+                 splits: tuple[str, ...] = ()):
         import ray.train
         import ray.train.torch
 
@@ -69,6 +76,16 @@ class RayTrainContext:
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.device = ray.train.torch.get_device()
         self.progress_queue, self.account, self.run_dir = progress_queue, account, run_dir
+        self.splits = splits
+
+    def dataset_shards(self) -> dict | None:
+        """This rank's Ray Data iterator of each split the trainer was given (data_shards.py),
+        or None when it was given none."""
+        import ray.train
+
+        if not self.splits:
+            return None
+        return {name: ray.train.get_dataset_shard(name) for name in self.splits}
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         # One collective per logical step, issued by every rank even on an empty sample.
@@ -174,6 +191,12 @@ def clear_stop(run_dir: str | Path) -> None:
 
 def stop_requested(run_dir: str | Path) -> bool:
     return (Path(run_dir) / STOP_FILE).exists()
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (Linux reports KB; macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def parameter_checksum(model: nn.Module) -> str:

@@ -16,6 +16,9 @@ from ray.util.queue import Empty, Queue
 
 from raydp_train.budget_actor import BudgetClient
 from raydp_train.config.pipeline import Pipeline, pipeline_from_dict
+from raydp_train.data import load_data
+from raydp_train.data_shards import ShardEveryRow, file_splits, split_datasets
+from raydp_train.hf_files import tokenizer_source
 from raydp_train.plan import PrivacyPlan
 from raydp_train.quiet import ray_logging_level
 from raydp_train.train.charges import ChargeLedger, RunAccount, epsilon_cap
@@ -63,8 +66,10 @@ def fit(
 ) -> TrainResult:
     """Train on Ray Train with `training.workers` workers; resumes if `run_dir` has a checkpoint.
 
-    With `budget`, rank 0 reserves each epoch from that global budget as `owner`. `dataset`
-    (loaded, e.g. tokenized, by the driver) reaches the workers through the object store.
+    With `budget`, rank 0 reserves each epoch from that global budget as `owner`. Parquet
+    splits that are files of their own reach the workers as Ray Data shards (data_shards.py;
+    `dataset`, the driver's checked summary, then gives only their shape); any other
+    `dataset` (loaded, e.g. split in memory, by the driver) through the object store.
     `fail_at_step` makes the last rank raise once at that step (tests of restarts).
     """
     run_dir = Path(run_dir).resolve()
@@ -79,11 +84,14 @@ def fit(
         "fail_at_step": fail_at_step,
         "budget": budget,
         "owner": owner or run_dir.name,
-        "dataset": None if dataset is None else ray.put(dataset),
+        **_data_for_workers(pipeline, dataset),
     }
+    shards = file_splits(pipeline.data) is not None
     trainer = TorchTrainer(
         _train_loop_per_worker,
         train_loop_config=config,
+        datasets=split_datasets(pipeline) if shards else None,
+        dataset_config=ShardEveryRow() if shards else None,
         scaling_config=ScalingConfig(
             num_workers=pipeline.training.workers, use_gpu=pipeline.training.use_gpu
         ),
@@ -111,6 +119,18 @@ def fit(
     if len(set(trained.checksums)) != 1:
         raise RuntimeError(f"workers ended with different parameters: {trained.checksums}")
     return trained
+
+
+def _data_for_workers(pipeline: Pipeline, dataset) -> dict:
+    """What the workers need besides their Ray Data shards (see fit)."""
+    if file_splits(pipeline.data) is None:
+        return {"dataset": None if dataset is None else ray.put(dataset), "data_shape": None,
+                "splits": ()}
+    if dataset is None:  # its shape, from the files' schema and labels alone
+        dataset = load_data(pipeline.data, pipeline.model.num_classes,
+                            tokenizer_source(pipeline.model), tokenize=False)
+    return {"dataset": None, "data_shape": (dataset.feature_shape, dataset.num_classes),
+            "splits": tuple(file_splits(pipeline.data))}
 
 
 def _fit_until_stopped(trainer: TorchTrainer, run_dir: Path):
@@ -164,8 +184,8 @@ def _train_loop_per_worker(config: dict) -> TrainResult:
     plan = PrivacyPlan(**config["plan"])
     account = RunAccount(ChargeLedger(config["run_dir"]), config["budget"], config["owner"], plan,
                          epsilon_cap(pipeline, plan))
-    context = RayTrainContext(config["progress"], account, config["run_dir"])
+    context = RayTrainContext(config["progress"], account, config["run_dir"], config["splits"])
     dataset = None if config["dataset"] is None else ray.get(config["dataset"])
-    result = train(pipeline, plan, context, config["fail_at_step"], dataset)
+    result = train(pipeline, plan, context, config["fail_at_step"], dataset, config["data_shape"])
     result.model = result.model.cpu()
     return result

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from raydp_train.data import load_data
+from raydp_train.data import Dataset, accuracy_baselines, load_data
 from raydp_train.hf_files import tokenizer_source
 from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.models import build_model
@@ -20,7 +20,7 @@ from raydp_train.privacy.mechanism import Mechanism, make_mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_, make_generator, make_noise_generator
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train.charges import Charged, ChargeRefused
-from raydp_train.train.context import parameter_checksum
+from raydp_train.train.context import parameter_checksum, peak_rss_mb
 from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
 from raydp_train.train.step import cross_entropy_loss, private_step
 
@@ -44,6 +44,8 @@ class TrainResult:
     # sigma*C when the noise dominates; sqrt(W) times that if noise were added per worker.
     final_step_sum_std: float = float("nan")
     baselines: dict = field(default_factory=dict)  # Dataset.accuracy_baselines()
+    shard_sizes: list[int] = field(default_factory=list)  # training rows each rank held
+    peak_rss_mb: list[float] = field(default_factory=list)  # each rank's, at the end
 
 
 def _mechanism(pipeline, context) -> Mechanism:
@@ -60,22 +62,21 @@ def epoch_ends(epochs: int, expected_batch_size: int, num_examples: int) -> list
 
 
 def train(
-    pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None, dataset=None
+    pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None, dataset=None,
+    data_shape: tuple[tuple[int, ...], int] | None = None,
 ) -> TrainResult:
-    """Train this worker's shard; every rank returns the same model, rank 0's metrics count.
+    """Train on this rank's rows; every rank returns the same model, rank 0's metrics count.
 
-    `dataset`: already loaded (e.g. tokenized once by the driver); else loaded here.
+    The rows: this rank's Ray Data shards when the context has them (`data_shape`: the
+    driver's (feature shape, classes)), else its share of `dataset` (already loaded, e.g.
+    split in memory by the driver) or of the data it loads itself (ARCHITECTURE.md §2.10).
     """
-    rank, world = context.rank, context.world_size
+    rank = context.rank
     seed, training = pipeline.run.seed, pipeline.training
-    if dataset is None:
-        dataset = load_data(pipeline.data, pipeline.model.num_classes,
-                            tokenizer_source(pipeline.model))
-    dataset = dataset.to_torch()
-    shard = torch.arange(rank, dataset.num_train, world)  # disjoint shards cover the set
+    local = _local_rows(pipeline, context, dataset, data_shape)
     if seed is not None:
         torch.manual_seed(seed)  # model initialization, reproducible only on request
-    model = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes)
+    model = build_model(pipeline.model, local.feature_shape, local.num_classes)
     model = model.to(context.device)
     context.broadcast_parameters(model)
     mechanism = _mechanism(pipeline, context)
@@ -88,7 +89,8 @@ def train(
     sampling_generator, _ = make_generator(None if seed is None else seed + 1 + rank)
 
     result = TrainResult(model=model, noise_mode=noise_mode,
-                         baselines=dataset.accuracy_baselines())
+                         baselines=_baselines(local, context),
+                         shard_sizes=context.gather(local.num_train))
     step, first_epoch = 0, 1
     state = context.restore()
     if state is not None:
@@ -98,8 +100,14 @@ def train(
         step, first_epoch, result.metrics = state["step"], state["epoch"] + 1, state["metrics"]
         mechanism.refresh(step, first_epoch, force=True)  # state of the restored weights
     # After the restore: the cache holds what this rank's model computes, frozen from now on.
-    per_example_loss, prefix_outputs, evaluate = _frozen_prefix_cache(
-        training, model, dataset, shard)
+    per_example_loss, prefix_outputs, score = _frozen_prefix_cache(training, model, local)
+
+    def evaluate(split: str) -> tuple[int, int]:
+        """(correct, rows) of `split` over every rank's rows."""
+        counts = torch.tensor(score(model, split), dtype=torch.float64, device=context.device)
+        context.all_reduce_sum(counts)
+        return int(counts[0]), int(counts[1])
+
     ends = epoch_ends(training.epochs, plan.expected_batch_size, plan.num_examples)
     started = time.monotonic()
     for epoch in range(first_epoch, len(ends) + 1):
@@ -115,8 +123,8 @@ def train(
         loss_sum, seen = 0.0, 0
         while step < ends[epoch - 1]:
             mechanism.refresh(step, epoch)
-            local = poisson_sample(len(shard), plan.sampling_rate, sampling_generator)
-            batches = _micro_batches(dataset, shard, local, prefix_outputs,
+            sample = poisson_sample(local.num_train, plan.sampling_rate, sampling_generator)
+            batches = _micro_batches(local, sample, prefix_outputs,
                                      training.max_physical_batch, context.device)
             stats = private_step(
                 model, clipper, optimizer, batches, per_example_loss, std,
@@ -134,15 +142,14 @@ def train(
             "steps_charged": charged.steps,
             "examples_seen": int(totals[1]),
             "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
-            "test_accuracy": evaluate(model, "test"),
+            "test_accuracy": _share(*evaluate("test")),
             "epsilon": plan.epsilon(charged.steps, releases=charged.releases),
             "elapsed_s": time.monotonic() - started,
             "lr": training.lr * schedule_scale(optimizer),  # training.lr as scheduled
         }
-        if dataset.validation_labels is not None:
+        if local.validation_labels is not None:
             row["validation_accuracy"] = context.gather(
-                released_accuracy(evaluate(model, "validation"), len(dataset.validation_labels),
-                                  plan, noise_generator))[0]
+                released_accuracy(*evaluate("validation"), plan, noise_generator))[0]
         context.settle(epoch_charge)
         result.metrics.append(row)
         context.report(row, _checkpoint_state(model, optimizer, schedule, epoch, step,
@@ -155,39 +162,67 @@ def train(
     result.trained_per_step = trained.numel()
     result.model_parameters = sum(p.numel() for p in model.parameters())
     result.checksums = context.gather(parameter_checksum(model))
+    result.peak_rss_mb = context.gather(peak_rss_mb())
     return result
 
 
-def _frozen_prefix_cache(training, model: nn.Module, dataset, shard: torch.Tensor):
-    """(per-example loss, outputs of the frozen prefix for this shard or None, evaluate):
-    with training.cache_frozen_prefix the frozen bottom layers run once per example (hf_prefix),
+def _local_rows(pipeline, context, dataset, data_shape):
+    """This rank's rows of every split, as torch tensors (ARCHITECTURE.md §2.10)."""
+    shards = context.dataset_shards()
+    if shards is not None:
+        from raydp_train.data_shards import materialize
+
+        feature_shape, num_classes = data_shape
+        splits = {name: materialize(shard, feature_shape) for name, shard in shards.items()}
+        return Dataset(*splits["train"], *splits["test"], num_classes,
+                       *splits.get("validation", (None, None))).to_torch()
+    if dataset is None or not dataset.features_read:  # the driver checked, did not tokenize
+        dataset = load_data(pipeline.data, pipeline.model.num_classes,
+                            tokenizer_source(pipeline.model))
+    return dataset.rows(context.rank, context.world_size).to_torch()
+
+
+def _baselines(local: Dataset, context) -> dict[str, float]:
+    """Dataset.accuracy_baselines of the whole test split, from every rank's label counts."""
+    counts = torch.bincount(local.test_labels, minlength=local.num_classes).double()
+    counts = counts.to(context.device)
+    context.all_reduce_sum(counts)
+    return accuracy_baselines(counts.tolist())
+
+
+def _share(correct: int, rows: int) -> float:
+    return correct / max(rows, 1)
+
+
+def _frozen_prefix_cache(training, model: nn.Module, local: Dataset):
+    """(per-example loss, outputs of the frozen prefix for this rank's training rows or None,
+    score(model, split) -> (correct, rows) on this rank's rows of the split): with
+    training.cache_frozen_prefix the frozen bottom layers run once per example (hf_prefix),
     the test and validation rows' too, so each epoch's scoring runs only the trained top."""
-    splits = {"test": (dataset.test_features, dataset.test_labels),
-              "validation": (dataset.validation_features, dataset.validation_labels)}
+    splits = {"test": (local.test_features, local.test_labels),
+              "validation": (local.validation_features, local.validation_labels)}
     if not training.cache_frozen_prefix:
         return (cross_entropy_loss, None,
-                lambda model, split: accuracy(model, *splits[split]))
+                lambda model, split: correct_count(model, *splits[split]))
     prefix = FrozenPrefix(model)
     hidden = {split: prefix.outputs(model, features)
               for split, (features, _) in splits.items() if features is not None}
 
-    def evaluate(model: nn.Module, split: str) -> float:
+    def score(model: nn.Module, split: str) -> tuple[int, int]:
         features, labels = splits[split]
-        return accuracy(model, (features, hidden[split]), labels, prefix)
+        return correct_count(model, (features, hidden[split]), labels, prefix)
 
-    return (cached_prefix_loss(prefix), prefix.outputs(model, dataset.train_features[shard]),
-            evaluate)
+    return cached_prefix_loss(prefix), prefix.outputs(model, local.train_features), score
 
 
-def _micro_batches(dataset, shard, local, prefix_outputs, size: int, device):
-    """(features, labels) of each micro-batch of the sampled shard positions `local`; the
+def _micro_batches(local: Dataset, sample, prefix_outputs, size: int, device):
+    """(features, labels) of each micro-batch of the sampled rows `sample` of this rank; the
     features are (tokens, cached prefix outputs) when the frozen prefix is cached."""
-    for positions in micro_batches(local, size):
-        rows = shard[positions]
-        features = dataset.train_features[rows].to(device)
+    for rows in micro_batches(sample, size):
+        features = local.train_features[rows].to(device)
         if prefix_outputs is not None:
-            features = (features, prefix_outputs[positions].to(device))
-        yield features, dataset.train_labels[rows].to(device)
+            features = (features, prefix_outputs[rows].to(device))
+        yield features, local.train_labels[rows].to(device)
 
 
 def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
@@ -202,21 +237,26 @@ def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
     }
 
 
-def released_accuracy(exact_accuracy: float, rows: int, plan: PrivacyPlan, noise_generator) -> float:
-    """Validation accuracy as released: (correct + N(0, sigma_r^2)) / n when the rows are
+def released_accuracy(correct: int, rows: int, plan: PrivacyPlan, noise_generator) -> float:
+    """Validation accuracy as released: (correct + N(0, sigma_r^2)) / rows when the rows are
     private and a release noise is set (a count changes by at most 1 per example)."""
-    correct = exact_accuracy * rows
+    released = float(correct)
     if plan.release_noise_multiplier > 0:
         noise = torch.empty(1, device=noise_generator.device)
         fill_gaussian_noise_(noise, plan.release_noise_multiplier, noise_generator)
-        correct += noise.item()
-    return correct / rows
+        released += noise.item()
+    return released / max(rows, 1)
+
+
+def accuracy(model: nn.Module, features, labels: torch.Tensor) -> float:
+    """Share of `labels` predicted."""
+    return _share(*correct_count(model, features, labels))
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, features, labels: torch.Tensor,
-             prefix: FrozenPrefix | None = None) -> float:
-    """Share of `labels` predicted; `features` are (tokens, cached prefix outputs) with a
+def correct_count(model: nn.Module, features, labels: torch.Tensor,
+                  prefix: FrozenPrefix | None = None) -> tuple[int, int]:
+    """(labels predicted, rows); `features` are (tokens, cached prefix outputs) with a
     `prefix`, whose frozen layers then do not run again."""
     model.eval()
     device = next(model.parameters()).device
@@ -230,4 +270,4 @@ def accuracy(model: nn.Module, features, labels: torch.Tensor,
             with prefix.skipped(hidden[rows].to(device)):
                 logits = model(tokens[rows].to(device))
         correct += (logits.argmax(1).cpu() == labels[rows]).sum().item()
-    return correct / max(len(labels), 1)
+    return correct, len(labels)

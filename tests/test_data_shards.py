@@ -1,0 +1,62 @@
+"""Parquet splits as Ray Data shards (ARCHITECTURE.md §2.10): every training row lies in
+exactly one worker's shard, and a shard holds what the in-memory reader makes of its rows."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raydp_train.config.pipeline import pipeline_from_dict
+from raydp_train.data import load_data
+from raydp_train.data_shards import ShardEveryRow, file_splits, materialize, split_datasets
+
+ROWS = 2_500
+
+
+def numeric_pipeline(tmp_path):
+    for name, rows in (("train", ROWS), ("test", 40)):
+        ids = np.arange(rows)
+        # Small row groups, so the file is read as several blocks for the shards to share.
+        pq.write_table(pa.table({"row": ids, "x": ids * 0.5, "label": ids % 3}),
+                       tmp_path / f"{name}.parquet", row_group_size=100)
+    return pipeline_from_dict({
+        "name": "shards",
+        "data": {"source": "parquet", "path": str(tmp_path / "train.parquet"),
+                 "test_path": str(tmp_path / "test.parquet"), "feature_columns": ["row", "x"],
+                 "label_column": "label", "normalize": {"x": [100.0, 50.0]}},
+        "model": {"kind": "logistic"},
+        "privacy": {"noise_multiplier": 1.0},
+    })
+
+
+def shards_of(datasets, world_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each worker's training shard, read side by side as Ray Train's workers read them."""
+    shards = ShardEveryRow().configure(datasets, world_size, None, None)
+    with ThreadPoolExecutor(world_size) as pool:
+        return list(pool.map(lambda shard: materialize(shard["train"], (2,)), shards))
+
+
+def test_the_shards_partition_the_training_rows(ray_session, tmp_path):
+    pipeline = numeric_pipeline(tmp_path)
+    assert set(file_splits(pipeline.data)) == {"train", "test"}
+    datasets = split_datasets(pipeline)
+    expected = load_data(pipeline.data)  # the in-memory reader, the same standardization
+
+    (alone,) = shards_of(datasets, 1)  # one worker holds every row, in file order
+    np.testing.assert_array_equal(alone[0], expected.train_features)
+    np.testing.assert_array_equal(alone[1], expected.train_labels)
+
+    shards = shards_of(datasets, 3)
+    rows = np.concatenate([features[:, 0] for features, _ in shards]).astype(int)
+    assert len(rows) == ROWS and set(rows) == set(range(ROWS))  # disjoint, and cover all
+    assert sum(len(features) > 0 for features, _ in shards) > 1  # the rows were shared
+    for features, labels in shards:  # each row keeps its own label and features
+        np.testing.assert_array_equal(labels, features[:, 0].astype(int) % 3)
+        np.testing.assert_allclose(features[:, 1], (features[:, 0] * 0.5 - 100) / 50)
+
+
+def test_a_split_cut_from_a_file_is_not_sharded(tmp_path):
+    pipeline = numeric_pipeline(tmp_path)
+    cut = pipeline.data.model_copy(update={"test_path": None, "train_fraction": 0.8})
+    assert file_splits(cut) is None
