@@ -8,8 +8,8 @@ A synthetic text parquet of N rows (12-word sentences, 64 tokens with the MiniLM
 2-layer BERT of width 16 from a config, only its classifier trained: the model is small on
 purpose, so the data dominates what grows). Each configuration is one `raydp-train run` in a
 fresh process (its own embedded Ray), which records the peak RSS of the driver and of every
-worker in record.json. A worker's data memory is its peak RSS at N rows minus its peak RSS at
-the small N (same W); ideally it falls as 1/W, and the driver's peak does not grow with N.
+worker in record.json, and what reading its rows added to each worker's resident memory
+(`worker_data_mb`); that should fall as 1/W, and the driver's peak should not grow with N.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def pipeline(folder: Path, rows: int, workers: int, sharded: bool) -> Path:
                   "config": TINY_BERT, "num_labels": 2, "trainable": ["*classifier*"]},
         "privacy": {"noise_multiplier": 1.0, "clip_norm": 1.0, "delta": 1e-6},
         # 2 steps of q = 1/2: every row is read, tokenized, held and sampled once or twice.
-        "training": {"epochs": 1, "batch_size": rows // 2, "max_physical_batch": 2048,
+        # Micro-batches of 256 at every N: what a step holds does not grow with N.
+        "training": {"epochs": 1, "batch_size": rows // 2, "max_physical_batch": 256,
                      "workers": workers, "optimizer": "sgd", "lr": 0.1},
         "run": {"output_dir": str(folder / "runs"), "seed": 0},
     }))
@@ -87,38 +88,42 @@ def section(results: dict) -> str:
     lines = [TITLE, "",
              (f"Synthetic text parquet, {TOKENS} tokens per row (token ids and masks stored as "
               "int32: 512 bytes a row), a 2-layer BERT of width 16 whose classifier alone "
-              "trains, 2 steps at q = 1/2; one `raydp-train run` per row of the table, each "
+              "trains, 2 steps at q = 1/2 in micro-batches of 256; one `raydp-train run` per row of the table, each "
               "with its own embedded Ray on this 2-core machine. *sharded*: train and test "
               "are files of their own, read as Ray Data shards; *in memory*: the test split is "
               "cut from the training file, so the driver reads and tokenizes it all and the "
               "workers get it from the object store."), "",
-             ("| data path | N | workers | driver peak RSS | worker peak RSS | rows per worker "
-              "| wall | load |"),
-             "|---|---:|---:|---:|---:|---|---:|---:|"]
+             ("| data path | N | workers | driver peak RSS | worker peak RSS | worker data "
+              "| rows per worker | wall | load |"),
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for (path, rows, workers), r in results.items():
         peaks = " / ".join(f"{m:.0f}" for m in r["worker_peak_rss_mb"])
+        data = " / ".join(f"{m:.0f}" for m in r["worker_data_mb"])
         lines.append(f"| {path} | {rows:,} | {workers} | {r['driver_peak_rss_mb']:.0f} MB | "
-                     f"{peaks} MB | {' / '.join(f'{n:,}' for n in r['rows_per_worker'])} | "
+                     f"{peaks} MB | {data} MB | "
+                     f"{' / '.join(f'{n:,}' for n in r['rows_per_worker'])} | "
                      f"{r['wall_s']:.0f} s | {r['load']:.1f} |")
     lines += ["", *ratios(results)]
     return "\n".join(lines)
 
 
 def ratios(results: dict):
-    """Data memory per worker (peak at LARGE minus peak at SMALL) and the driver's growth."""
-    data = {}
+    """Data memory per worker (what reading its rows added to its resident memory; and its
+    peak RSS at LARGE minus that at SMALL) and the driver's growth with N."""
+    data, peak = {}, {}
     for workers in (1, 2):
         large, small = results.get(("sharded", LARGE, workers)), results.get(
             ("sharded", SMALL, workers))
         if large and small:
-            data[workers] = max(large["worker_peak_rss_mb"]) - max(small["worker_peak_rss_mb"])
+            data[workers] = max(large["worker_data_mb"])
+            peak[workers] = max(large["worker_peak_rss_mb"]) - max(small["worker_peak_rss_mb"])
             growth = large["driver_peak_rss_mb"] - small["driver_peak_rss_mb"]
-            yield (f"- sharded, {workers} worker(s): a worker's data memory at N = {LARGE:,} "
-                   f"is {data[workers]:.0f} MB (the most of any worker); the driver's peak "
-                   f"grows by {growth:+.0f} MB from N = {SMALL:,}.")
+            yield (f"- sharded, {workers} worker(s), N = {LARGE:,}: the largest worker's data "
+                   f"takes {data[workers]:.0f} MB, and its peak RSS is {peak[workers]:.0f} MB "
+                   f"above N = {SMALL:,}'s; the driver's peak grows by {growth:+.0f} MB.")
     if len(data) == 2:
-        yield (f"- per-worker data memory, 2 workers / 1 worker: {data[2] / data[1]:.2f} "
-               "(1/W = 0.50).")
+        yield (f"- 2 workers / 1 worker: data memory per worker {data[2] / data[1]:.2f}, peak "
+               f"RSS growth per worker {peak[2] / peak[1]:.2f} (1/W = 0.50).")
     memory = results.get(("in memory", LARGE, 2))
     sharded = results.get(("sharded", LARGE, 2))
     if memory and sharded:

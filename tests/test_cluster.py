@@ -46,7 +46,7 @@ def _jobs_seen_by(head) -> int:
     """Every job the head's GCS knows: submitted ones and drivers that joined it."""
     listed = subprocess.run([str(BIN / "ray"), "list", "jobs", "--address", head.dashboard,
                              "--format", "json"], env=head.env, capture_output=True, text=True,
-                            timeout=120, check=True)
+                            timeout=300, check=True)
     if listed.stdout.startswith("No resource"):  # what `ray list` prints for none
         return 0
     return len(json.loads(listed.stdout))

@@ -124,7 +124,8 @@ def write_run_record(
         "baselines": result.baselines,  # accuracies to beat: chance, the test majority class
         # Peak resident memory (MB) of this process and of each worker, to size a cluster by.
         "memory": {"driver_peak_rss_mb": peak_rss_mb(),
-                   "worker_peak_rss_mb": result.peak_rss_mb},
+                   "worker_peak_rss_mb": result.peak_rss_mb,
+                   "worker_data_mb": result.data_mb},  # resident growth reading its rows
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         # Which engine produced the run: CHANGELOG.md says which versions to distrust for what.
         "raydp_train_version": raydp_train_version(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -191,6 +192,15 @@ def clear_stop(run_dir: str | Path) -> None:
 
 def stop_requested(run_dir: str | Path) -> bool:
     return (Path(run_dir) / STOP_FILE).exists()
+
+
+def resident_mb() -> float:
+    """This process's resident memory now, in MB (Linux's /proc; elsewhere its peak so far)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return peak_rss_mb()
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 
 
 def peak_rss_mb() -> float:

@@ -20,7 +20,7 @@ from raydp_train.privacy.mechanism import Mechanism, make_mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_, make_generator, make_noise_generator
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train.charges import Charged, ChargeRefused
-from raydp_train.train.context import parameter_checksum, peak_rss_mb
+from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
 from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
 from raydp_train.train.step import cross_entropy_loss, private_step
 
@@ -46,6 +46,7 @@ class TrainResult:
     baselines: dict = field(default_factory=dict)  # Dataset.accuracy_baselines()
     shard_sizes: list[int] = field(default_factory=list)  # training rows each rank held
     peak_rss_mb: list[float] = field(default_factory=list)  # each rank's, at the end
+    data_mb: list[float] = field(default_factory=list)  # each rank's resident data, read
 
 
 def _mechanism(pipeline, context) -> Mechanism:
@@ -73,7 +74,9 @@ def train(
     """
     rank = context.rank
     seed, training = pipeline.run.seed, pipeline.training
+    before = resident_mb()
     local = _local_rows(pipeline, context, dataset, data_shape)
+    data_mb = resident_mb() - before  # what holding this rank's rows costs
     if seed is not None:
         torch.manual_seed(seed)  # model initialization, reproducible only on request
     model = build_model(pipeline.model, local.feature_shape, local.num_classes)
@@ -90,7 +93,8 @@ def train(
 
     result = TrainResult(model=model, noise_mode=noise_mode,
                          baselines=_baselines(local, context),
-                         shard_sizes=context.gather(local.num_train))
+                         shard_sizes=context.gather(local.num_train),
+                         data_mb=context.gather(round(data_mb, 1)))
     step, first_epoch = 0, 1
     state = context.restore()
     if state is not None:
