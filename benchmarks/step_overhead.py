@@ -137,7 +137,7 @@ def non_private(model: nn.Module, features: Tensor, labels: Tensor) -> Block:
     return plain_loop(model, optimizer, nn.CrossEntropyLoss(), features, labels)
 
 
-def ours(model: nn.Module, features: Tensor, labels: Tensor) -> Block:
+def ours(model: nn.Module, features: Tensor, labels: Tensor, precision: str = "fp32") -> Block:
     clipper = PerExampleClipper(model, CLIP_NORM)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     generator, _ = make_generator(0)
@@ -146,7 +146,7 @@ def ours(model: nn.Module, features: Tensor, labels: Tensor) -> Block:
     def block(k: int) -> None:
         for _ in range(k):
             private_step(model, clipper, optimizer, batch, cross_entropy_loss,
-                         std, labels.shape[0], generator)
+                         std, labels.shape[0], generator, precision=precision)
 
     return block
 

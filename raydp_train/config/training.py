@@ -43,6 +43,8 @@ class TrainingConfig(Section):
     cache_frozen_prefix: bool = False
     workers: int = Field(1, ge=1)  # Ray Train workers, each clipping its own shard
     use_gpu: bool = False  # one GPU per worker; model, step and noise on it
+    # bf16: forward and backward under autocast; norms, clipping, noise and update in fp32
+    precision: Literal["fp32", "bf16"] = "fp32"
 
     def warmup_for(self, total_steps: int) -> int:
         """warmup_steps as given, or ceil(warmup_fraction * steps) as Hugging Face's

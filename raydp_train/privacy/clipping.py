@@ -26,6 +26,7 @@ from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseEr
 from raydp_train.privacy.rule_registry import (
     LayerCalls,
     UnsupportedLayerError,
+    cast_recorded,
     rule_for,
     supported_layers,
 )
@@ -211,6 +212,13 @@ class PerExampleClipper:
     # ------------------------------------------------------------------ math
     def _clip_and_sum(self, batch_size: int) -> Tensor:
         used = self._used_layers(batch_size)
+        # A forward under autocast (bf16) records bfloat16 tensors; the norms decide the clip
+        # factors the privacy guarantee rests on, so they are computed in the parameters' dtype.
+        cast_recorded([self._calls[module] for _, module, _ in used], self.flat_grad.dtype)
+        with torch.autocast(self.flat_grad.device.type, enabled=False):
+            return self._clip_and_sum_recorded(used, batch_size)
+
+    def _clip_and_sum_recorded(self, used: list, batch_size: int) -> Tensor:
         squared = self.flat_grad.new_zeros(batch_size)
         gram_cache: dict = {}
         for _, module, rule in used:

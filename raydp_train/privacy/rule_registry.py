@@ -40,6 +40,25 @@ class LayerCalls:
     state: dict = field(default_factory=dict)
 
 
+def cast_recorded(calls: list[LayerCalls], dtype: torch.dtype) -> None:
+    """Every recorded floating-point input and output gradient in `dtype` (token ids stay
+    integers; a tensor already in `dtype` is kept as is). A tensor several layers read (Q, K
+    and V) is cast once, so they still share its Gram matrix."""
+    cast: dict[tuple, Tensor] = {}
+
+    def to_dtype(x: Tensor | None) -> Tensor | None:
+        if x is None or not x.is_floating_point() or x.dtype == dtype:
+            return x
+        key = (x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+        if key not in cast:
+            cast[key] = x.to(dtype)
+        return cast[key]
+
+    for recorded in calls:
+        recorded.inputs = [to_dtype(x) for x in recorded.inputs]
+        recorded.output_grads = [to_dtype(g) for g in recorded.output_grads]
+
+
 class Rule:
     """Per-example squared norms and clipped sums of one kind of layer.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -14,7 +15,10 @@ from raydp_train.privacy.mechanism import DpSgd, Mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
+Precision = Literal["fp32", "bf16"]
 DP_SGD = DpSgd()  # stateless: the default of a step whose clipper DP-SGD attached
+# `training.precision` -> the autocast dtype of the forward (None: no autocast).
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -34,6 +38,7 @@ def private_step(
     noise_generator: torch.Generator,
     all_reduce_sum: Callable[[Tensor], None] = lambda tensor: None,
     mechanism: Mechanism = DP_SGD,
+    precision: Precision = "fp32",
 ) -> StepStats:
     """g^ = (N(0, noise_std^2 I) + sum_w sum_{i in S_w} clip(g_i)) / (q N).
 
@@ -41,12 +46,15 @@ def private_step(
     clipped sums and that single draw. An empty local sample still joins the collective.
     The mechanism (the one that attached `clipper`) says what of the buffer is reduced and
     how it reaches the parameters (LSG: kept carrier entries, mapped back to the weights).
+    `precision` "bf16" runs the forward (and so the backward) in bfloat16 under autocast;
+    the norms, clip factors, clipped sum, noise and update stay in the parameters' float32.
     """
+    compute_losses = in_precision(per_example_loss, precision, clipper.flat_grad.device.type)
     # The step's noise draw (zeros on ranks > 0) is the starting value of the local sum.
     fill_gaussian_noise_(clipper.bind_grads(), noise_std, noise_generator)
     loss_sum, count = 0.0, 0
     for features, labels in micro_batches:
-        stats = clipper.accumulate(per_example_loss, model, features, labels)
+        stats = clipper.accumulate(compute_losses, model, features, labels)
         loss_sum += stats.losses.sum().item()
         count += labels.shape[0]
     mechanism.reduce(clipper, all_reduce_sum)
@@ -55,6 +63,24 @@ def private_step(
     mechanism.write_back(clipper)
     optimizer.step()
     return StepStats(loss_sum, count)
+
+
+def in_precision(per_example_loss: LossFn, precision: Precision, device_type: str) -> LossFn:
+    """`per_example_loss` with its forward under `torch.autocast` to the precision's dtype.
+
+    Only the forward is wrapped: autograd runs each backward op in the dtype its forward op
+    used, and the clipper's norm and sum math, after the backward, must not be autocast (the
+    clipper also casts what its hooks recorded to the parameters' dtype, autocast off).
+    """
+    dtype = AUTOCAST_DTYPES[precision]
+    if dtype is None:
+        return per_example_loss
+
+    def autocast_loss(model: nn.Module, features: Tensor, labels: Tensor) -> Tensor:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return per_example_loss(model, features, labels).float()
+
+    return autocast_loss
 
 
 def cross_entropy_loss(model: nn.Module, features: Tensor, labels: Tensor) -> Tensor:

@@ -133,6 +133,7 @@ def train(
             stats = private_step(
                 model, clipper, optimizer, batches, per_example_loss, std,
                 plan.expected_batch_size, noise_generator, context.all_reduce_sum, mechanism,
+                training.precision,
             )
             schedule.step()  # once per logical step, whatever its number of micro-batches
             loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
