@@ -1,5 +1,6 @@
 """`raydp-train validate | run | tune | audit PIPELINE [--set a.b=value ...]`,
-`raydp-train report RUN_DIR`, `raydp-train budget status | history | reset NAME --ledger PATH`."""
+`raydp-train report RUN_DIR`, `raydp-train generate RUN_DIR --prompt TEXT`,
+`raydp-train budget status | history | reset NAME --ledger PATH`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.errors import UserError
+from raydp_train.generate import add_generate_command
 from raydp_train.quiet import quiet_third_party
 
 # `run` and `tune` exit with this when the global budget refused to let them finish.
@@ -80,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         parents=[verbose])
     report_command.add_argument("run_dir", metavar="RUN_DIR")
     report_command.set_defaults(command=report)
+    add_generate_command(commands, [verbose])
     budget_command = commands.add_parser(
         "budget", help="show a global privacy budget from its ledger (no Ray needed)",
         parents=[verbose])
@@ -338,9 +341,16 @@ def _print_epoch(epochs: int):
         validation = (f"val acc {row['validation_accuracy']:.4f}  "
                       if "validation_accuracy" in row else "")
         print(f"epoch {row['epoch']:>3}/{epochs}  step {row['steps']:>6}  "
-              f"train loss {row['train_loss']:.4f}  test acc {row['test_accuracy']:.4f}  "
+              f"train loss {row['train_loss']:.4f}  {_test_text(row)}  "
               f"{validation}epsilon {row['epsilon']:.3f}  ({row['elapsed_s']:.1f}s)", flush=True)
     return show
+
+
+def _test_text(row: dict) -> str:
+    """A classifier's test accuracy, or a causal LM's held-out loss and perplexity."""
+    if "test_accuracy" in row:
+        return f"test acc {row['test_accuracy']:.4f}"
+    return f"test loss {row['test_loss']:.4f}  test ppl {row['test_perplexity']:.2f}"
 
 
 def _baselines_text(baselines: dict) -> str:
@@ -354,8 +364,12 @@ def _print_summary(result, privacy: dict, record) -> None:
     delta = privacy["delta"]
     if result.metrics:
         last = result.metrics[-1]
-        print(f"\ntest accuracy           {last['test_accuracy']:.4f}")
-        print(f"  to beat               {_baselines_text(result.baselines)}")
+        if "test_accuracy" in last:
+            print(f"\ntest accuracy           {last['test_accuracy']:.4f}")
+            print(f"  to beat               {_baselines_text(result.baselines)}")
+        else:
+            print(f"\ntest loss per token     {last['test_loss']:.4f}  (perplexity "
+                  f"{last['test_perplexity']:.2f})")
         if "validation_accuracy" in last:
             print(f"validation accuracy     {last['validation_accuracy']:.4f}")
     print(f"trained per step        {result.trained_per_step:,} of "

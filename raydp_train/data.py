@@ -152,7 +152,7 @@ def _features(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float32, copy=False)
 
 
-def check_text_file(path: Path, text_column: str, label_column: str, field: str) -> int:
+def check_text_file(path: Path, text_column: str, label_column: str | None, field: str) -> int:
     """The number of rows, after checking the file and its columns; raises DataError."""
     if not path.is_file():
         raise DataError(f"{field}: parquet file not found: {path}")
@@ -161,7 +161,8 @@ def check_text_file(path: Path, text_column: str, label_column: str, field: str)
         schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(f"{field}: cannot read {path} as parquet: {error}") from error
-    missing = [c for c in (text_column, label_column) if c not in schema.names]
+    missing = [c for c in (text_column, label_column)
+               if c is not None and c not in schema.names]
     if missing:
         raise DataError(f"{field}: column(s) {missing} not in {path}; available: "
                         f"{', '.join(schema.names)}")
@@ -192,12 +193,11 @@ class _Reader:
             return _read_parquet(path, config, field)
         from raydp_train.text import tokenize_parquet
 
-        check_text_file(path, config.text_column, config.label_column, field)
+        rows = check_text_file(path, config.text_column, config.label_column, field)
         if self.tokenizer is None:
             raise DataError("data.text_column: text needs a tokenizer: use model.kind hf with "
                             "model.name_or_path")
-        labels = labels_of(pq.ParquetFile(path).read(columns=[config.label_column])
-                           .column(config.label_column), path, config)
+        labels = text_labels(pq.ParquetFile(path), rows, path, config)
         if not self.tokenize:
             return np.zeros((len(labels), 2, config.max_length), np.int32), labels
         tokens = tokenize_parquet(path, config.text_column, self.tokenizer, config.max_length)
@@ -358,6 +358,15 @@ def _buffers_as_numpy(column: pa.ChunkedArray) -> np.ndarray:
     parts = [np.frombuffer(chunk.buffers()[1], dtype, len(chunk), chunk.offset * dtype.itemsize)
              for chunk in column.chunks]
     return np.concatenate(parts) if parts else np.empty(0, dtype)
+
+
+def text_labels(source: pa.Table | pq.ParquetFile, rows: int, path: Path, config) -> np.ndarray:
+    """The label column of a text table or file; without one (model.task causal_lm, whose
+    targets are the texts' own next tokens) the placeholder class 0 for each of its rows."""
+    if config.label_column is None:
+        return np.zeros(rows, np.int64)
+    table = source if isinstance(source, pa.Table) else source.read(columns=[config.label_column])
+    return labels_of(table.column(config.label_column), path, config)
 
 
 def labels_of(column: pa.ChunkedArray, path: Path, config) -> np.ndarray:

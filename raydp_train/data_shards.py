@@ -17,7 +17,7 @@ import pyarrow as pa
 import ray.data
 from ray.train import DataConfig
 
-from raydp_train.data import labels_of, numeric_rows
+from raydp_train.data import numeric_rows, text_labels
 from raydp_train.hf_files import tokenizer_source
 from raydp_train.text import tokenize_batch
 
@@ -46,8 +46,8 @@ def split_datasets(pipeline) -> dict[str, ray.data.Dataset]:
     in file order; nothing is read until the workers iterate their shards."""
     data, tokenizer = pipeline.data, tokenizer_source(pipeline.model)
     text_column = getattr(data, "text_column", None)
-    columns = ([text_column] if text_column else
-               data.feature_columns or [data.tensor_column]) + [data.label_column]
+    columns = ([text_column] if text_column else data.feature_columns or [data.tensor_column])
+    columns += [data.label_column] if data.label_column is not None else []
     datasets = {}
     for name, path in file_splits(data).items():
         # Blocks of BATCH_ROWS rows: Ray Data hands whole blocks to the workers, and a file
@@ -67,7 +67,7 @@ def _rows(table: pa.Table, data, path: Path, tokenizer: str | None) -> dict[str,
     if text_column is None:
         features, labels = numeric_rows(table, data, path)
         return {"features": features.astype(np.float32), "label": labels}
-    labels = labels_of(table.column(data.label_column), path, data)
+    labels = text_labels(table, table.num_rows, path, data)
     texts = {text_column: table.column(text_column).to_pylist()}
     tokens = tokenize_batch(texts, tokenizer, text_column, data.max_length)["tokens"]
     return {"features": tokens, "label": labels}

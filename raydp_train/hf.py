@@ -63,7 +63,8 @@ def build_hf_model(config, num_labels: int, load_weights: bool = True) -> Sequen
     `load_weights=False` (validate) builds the same modules on the meta device from the
     checkpoint's config alone: names, shapes and layer types, no weights read or allocated."""
     folder = None if config.config is not None else resolve_name_or_path(config.name_or_path)
-    model = _transformers_model(config, folder, num_labels, load_weights)
+    model = transformers_model("AutoModelForSequenceClassification", config, folder,
+                               load_weights, num_labels=num_labels)
     if model.config.pad_token_id is None:  # GPT-2 needs it to find each example's last token
         model.config.pad_token_id = 0
     pooling, normalize = resolve_pooling(config, folder)
@@ -72,37 +73,39 @@ def build_hf_model(config, num_labels: int, load_weights: bool = True) -> Sequen
     if head is not None:
         initialize_head(head, config.head_init)
     unused = unused_by_mean_pooling(model, head_name) if pooling == "mean" else set()
-    _set_trainable(model, config.trainable, unused)
+    set_trainable(model, config.trainable, unused)
     pooling_head = MeanPoolingHead(head, normalize) if pooling == "mean" else None
     return SequenceClassifier(model, pooling_head)
 
 
-def _transformers_model(config, folder: str | None, num_labels: int, load_weights: bool):
-    """Random from `model.config`, pretrained from `folder`, or without weights on the meta
-    device (from the checkpoint's config.json)."""
+def transformers_model(auto_class: str, config, folder: str | None, load_weights: bool,
+                       **options):
+    """`auto_class` (a transformers Auto* name) random from `model.config`, pretrained from
+    `folder`, or without weights on the meta device (from the checkpoint's config.json);
+    `options` (num_labels) go to its config."""
     import transformers
 
-    classifier = transformers.AutoModelForSequenceClassification
+    model_class = getattr(transformers, auto_class)
     if config.config is not None:  # random initialization, e.g. tiny models in tests
-        hf_config = transformers.AutoConfig.for_model(**{**config.config, "num_labels": num_labels})
+        hf_config = transformers.AutoConfig.for_model(**{**config.config, **options})
     elif load_weights:
         try:
-            return classifier.from_pretrained(folder, num_labels=num_labels)
+            return model_class.from_pretrained(folder, **options)
         except (OSError, ValueError) as error:
             raise HFModelError(f"model.name_or_path: cannot load {folder!r}: {error}") from error
     else:
         try:
-            hf_config = transformers.AutoConfig.from_pretrained(folder, num_labels=num_labels)
+            hf_config = transformers.AutoConfig.from_pretrained(folder, **options)
         except (OSError, ValueError) as error:
             raise HFModelError(f"model.name_or_path: cannot read the config of {folder!r}: "
                                f"{error}") from error
     if load_weights:
-        return classifier.from_config(hf_config)
+        return model_class.from_config(hf_config)
     with torch.device("meta"):
-        return classifier.from_config(hf_config)
+        return model_class.from_config(hf_config)
 
 
-def _set_trainable(model: nn.Module, trainable, unused: set[str]) -> None:
+def set_trainable(model: nn.Module, trainable, unused: set[str]) -> None:
     """`all`, `{last_k_layers: k}` (the head plus the last k encoder layers), or patterns.
     Parameters in `unused` (bypassed by the pooling) are frozen: trained, they would only
     collect noise."""

@@ -23,3 +23,16 @@ def text_pipeline(folder: Path, **model) -> str:
         "training": {"epochs": 1, "batch_size": 8},
         "run": {"output_dir": str(folder / "runs")}}))
     return str(folder / "text.yaml")
+
+
+def run_pipeline(folder: Path, pipeline: dict) -> tuple[Path, dict]:
+    """`raydp-train run` of `pipeline` (written to folder/p.yaml): its run directory (the only
+    one under its run.output_dir) and its record."""
+    import json
+
+    from raydp_train.cli import main
+
+    (folder / "p.yaml").write_text(json.dumps(pipeline))
+    assert main(["run", str(folder / "p.yaml")]) == 0
+    (run_dir,) = Path(pipeline["run"]["output_dir"]).iterdir()
+    return run_dir, json.loads((run_dir / "record.json").read_text())

@@ -72,7 +72,9 @@ class ParquetData(Section):
     tensor_column: str | None = None
     text_column: str | None = None  # strings, tokenized by the model's tokenizer (model.kind hf)
     max_length: int = Field(128, ge=2)  # tokens per text, padded or truncated
-    label_column: str = "label"
+    # Classes of a sequence classifier; null for model.task causal_lm, whose targets are each
+    # text's own next tokens (the pipeline sets that when the field is left out).
+    label_column: str | None = Field("label", min_length=1)
     # Names of classes 0..K-1: a string label column is mapped by them, and they become the
     # saved model's id2label.
     label_names: list[str] | None = Field(None, min_length=2)
@@ -144,7 +146,10 @@ class HFModel(Section):
     # also where the tokenizer of text data comes from.
     name_or_path: str | None = Field(None, min_length=1)
     config: dict[str, Any] | None = None  # AutoConfig.for_model(**config): random init
-    task: Literal["sequence_classification"] = "sequence_classification"
+    task: Literal["sequence_classification", "causal_lm"] = "sequence_classification"
+    # causal_lm: an example's loss over its next-token cross-entropies at its real tokens,
+    # summed or averaged (null: sum). Mean weighs every text alike, whatever its length.
+    lm_loss: Literal["sum", "mean"] | None = None
     num_labels: NumClasses = None
     trainable: Literal["all"] | LastLayers | Annotated[list[str], Field(min_length=1)] = "all"
     # cls: the model's own head ([CLS] through BERT's pooler); mean: masked mean of the last
@@ -166,11 +171,31 @@ class HFModel(Section):
         if self.normalize and self.pooling == "cls":
             raise FieldProblem("normalizes the mean-pooled vector: only with pooling: mean",
                                "normalize")
+        self._fits_task()
         return self
+
+    def _fits_task(self) -> None:
+        """Classifier fields refused for causal_lm, and lm_loss for a classifier."""
+        if self.task == "sequence_classification":
+            if self.lm_loss is not None:
+                raise FieldProblem("only with task: causal_lm", "lm_loss")
+            return
+        for name in ("num_labels", "pooling", "normalize"):
+            if getattr(self, name) is not None:
+                raise FieldProblem("a sequence classifier's field: not with task: causal_lm",
+                                   name)
+        if self.head_init != "default":
+            raise FieldProblem("a sequence classifier's field: not with task: causal_lm",
+                               "head_init")
 
     @property
     def num_classes(self) -> int | None:
-        return self.num_labels
+        # A causal LM's rows carry no class: one placeholder label, 0, per row.
+        return 1 if self.task == "causal_lm" else self.num_labels
+
+    @property
+    def loss_reduction(self) -> str:
+        return self.lm_loss or "sum"
 
 
 ModelConfig = Annotated[

@@ -154,7 +154,35 @@ class Pipeline(Section):
                                "privacy budget", "budget")
         if self.tune is not None:
             _check_tune(self)
+        _check_task(self)
         return self
+
+
+def _check_task(p: Pipeline) -> None:
+    """causal_lm trains on text alone: each text's targets are its own next tokens."""
+    causal = getattr(p.model, "task", None) == "causal_lm"
+    if not causal:
+        if getattr(p.data, "label_column", "label") is None:
+            raise FieldProblem("the labels' column is needed (null only with model.task: "
+                               "causal_lm)", "data.label_column")
+        return
+    if getattr(p.data, "text_column", None) is None:
+        raise FieldProblem("model.task causal_lm trains on text: use data.source parquet with "
+                           "a text_column", "data")
+    if "label_column" in p.data.model_fields_set and p.data.label_column is not None:
+        raise FieldProblem("model.task causal_lm uses no labels (each text's targets are its "
+                           "own next tokens): remove data.label_column", "data.label_column")
+    p.data.label_column = None
+    for name in ("label_names", "validation"):
+        if getattr(p.data, name) is not None:
+            raise FieldProblem(f"not with model.task causal_lm (no classes, no validation "
+                               f"accuracy to release): remove data.{name}", f"data.{name}")
+    if p.training.cache_frozen_prefix:
+        raise FieldProblem("not with model.task causal_lm yet: the prefix cache serves "
+                           "classifiers", "training.cache_frozen_prefix")
+    if p.tune is not None:
+        raise FieldProblem("model.task causal_lm: sweeps select on validation accuracy, which a "
+                           "language model has not; run it without tune", "tune")
 
 
 def _check_tune(p: Pipeline) -> None:

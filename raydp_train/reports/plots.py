@@ -29,9 +29,12 @@ def run_figures(record: dict) -> dict:
     non-private one has epsilon infinite)."""
     privacy = record["privacy"]
     spent = f"epsilon spent (delta={privacy['delta']:g}, {privacy['accountant'].upper()})"
-    figures = {"accuracy_vs_epoch.png": accuracy_figure(record, "epoch", "epoch")}
+    causal = any("test_perplexity" in row for row in record["metrics"])
+    drawn, figure_of = ("perplexity", perplexity_figure) if causal else ("accuracy",
+                                                                         accuracy_figure)
+    figures = {f"{drawn}_vs_epoch.png": figure_of(record, "epoch", "epoch")}
     if privacy.get("private", True):
-        figures["accuracy_vs_epsilon.png"] = accuracy_figure(record, "epsilon", spent)
+        figures[f"{drawn}_vs_epsilon.png"] = figure_of(record, "epsilon", spent)
         figures["epsilon_vs_steps.png"] = _epsilon_figure(record, spent)
     return figures
 
@@ -53,6 +56,19 @@ def accuracy_figure(record: dict, x: str, xlabel: str):
         axes.set_xlim(left=0)  # from nothing spent
     axes.set(xlabel=xlabel, ylabel=ACCURACY_LABEL,
              title=f"{record['pipeline']['name']}: accuracy after each epoch, by {x}")
+    return _finished(figure, axes)
+
+
+def perplexity_figure(record: dict, x: str, xlabel: str):
+    """A causal LM's held-out perplexity after each epoch against `x` (a metrics column)."""
+    figure, axes = _pyplot().subplots(figsize=(7, 4.8))
+    rows = record["metrics"]
+    axes.plot([row[x] for row in rows], [row["test_perplexity"] for row in rows], marker="o",
+              label="test perplexity")
+    if x == "epsilon":
+        axes.set_xlim(left=0)
+    axes.set(xlabel=xlabel, ylabel="perplexity per token (lower is better)",
+             title=f"{record['pipeline']['name']}: perplexity after each epoch, by {x}")
     return _finished(figure, axes)
 
 

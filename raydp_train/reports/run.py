@@ -169,9 +169,10 @@ def read_record(run_dir: Path) -> dict:
 
 
 def metrics_table(record: dict) -> str:
-    columns = ["epoch", "steps", "steps_charged", "train_loss", "test_accuracy", "epsilon"]
-    if any("validation_accuracy" in row for row in record["metrics"]):
-        columns.insert(5, "validation_accuracy")
+    measured = [c for c in ("test_accuracy", "test_loss", "test_perplexity",
+                            "validation_accuracy")
+                if any(c in row for row in record["metrics"])]
+    columns = ["epoch", "steps", "steps_charged", "train_loss", *measured, "epsilon"]
     widths = [max(13, len(c)) for c in columns]
     lines = ["  ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))]
     for row in record["metrics"]:

@@ -4,6 +4,7 @@ world size 1 in this process and as every rank of a Ray Train worker group."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from raydp_train.data import Dataset, accuracy_baselines, load_data
+from raydp_train.hf_causal import causal_lm_loss, token_loss_sum
 from raydp_train.hf_files import tokenizer_source
 from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.models import build_model
@@ -91,8 +93,9 @@ def train(
     std = mechanism.noise_std(plan.noise_multiplier, plan.clip_norm) if rank == 0 else 0.0
     sampling_generator, _ = make_generator(None if seed is None else seed + 1 + rank)
 
+    causal = is_causal_lm(pipeline.model)
     result = TrainResult(model=model, noise_mode=noise_mode,
-                         baselines=_baselines(local, context),
+                         baselines={} if causal else _baselines(local, context),
                          shard_sizes=context.gather(local.num_train),
                          data_mb=context.gather(round(data_mb, 1)))
     step, first_epoch = 0, 1
@@ -104,13 +107,14 @@ def train(
         step, first_epoch, result.metrics = state["step"], state["epoch"] + 1, state["metrics"]
         mechanism.refresh(step, first_epoch, force=True)  # state of the restored weights
     # After the restore: the cache holds what this rank's model computes, frozen from now on.
-    per_example_loss, prefix_outputs, score = _frozen_prefix_cache(training, model, local)
+    per_example_loss, prefix_outputs, score = _loss_and_score(pipeline, model, local)
 
-    def evaluate(split: str) -> tuple[int, int]:
-        """(correct, rows) of `split` over every rank's rows."""
+    def evaluate(split: str) -> tuple[float, float]:
+        """(correct, rows), or (token loss sum, tokens) of a causal LM, of `split` over every
+        rank's rows."""
         counts = torch.tensor(score(model, split), dtype=torch.float64, device=context.device)
         context.all_reduce_sum(counts)
-        return int(counts[0]), int(counts[1])
+        return counts[0].item(), counts[1].item()
 
     ends = epoch_ends(training.epochs, plan.expected_batch_size, plan.num_examples)
     started = time.monotonic()
@@ -147,7 +151,7 @@ def train(
             "steps_charged": charged.steps,
             "examples_seen": int(totals[1]),
             "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
-            "test_accuracy": _share(*evaluate("test")),
+            **held_out_metrics(causal, evaluate("test")),
             "epsilon": plan.epsilon(charged.steps, releases=charged.releases),
             "elapsed_s": time.monotonic() - started,
             "lr": training.lr * schedule_scale(optimizer),  # training.lr as scheduled
@@ -195,8 +199,31 @@ def _baselines(local: Dataset, context) -> dict[str, float]:
     return accuracy_baselines(counts.tolist())
 
 
-def _share(correct: int, rows: int) -> float:
+def _share(correct: float, rows: float) -> float:
     return correct / max(rows, 1)
+
+
+def is_causal_lm(model_config) -> bool:
+    return getattr(model_config, "task", None) == "causal_lm"
+
+
+def held_out_metrics(causal: bool, totals: tuple[float, float]) -> dict[str, float]:
+    """A classifier's test accuracy from (correct, rows); a causal LM's held-out loss per
+    token and its perplexity exp(loss) from (token loss sum, tokens)."""
+    if not causal:
+        return {"test_accuracy": _share(*totals)}
+    loss = totals[0] / max(totals[1], 1)
+    return {"test_loss": loss, "test_perplexity": math.exp(min(loss, 700.0))}
+
+
+def _loss_and_score(pipeline, model: nn.Module, local: Dataset):
+    """(per-example loss, cached prefix outputs or None, score(model, split)): a causal LM's
+    next-token loss and held-out token losses, or a classifier's (`_frozen_prefix_cache`)."""
+    if not is_causal_lm(pipeline.model):
+        return _frozen_prefix_cache(pipeline.training, model, local)
+    splits = {"test": local.test_features, "validation": local.validation_features}
+    return (causal_lm_loss(pipeline.model.loss_reduction), None,
+            lambda model, split: token_loss_sum(model, splits[split]))
 
 
 def _frozen_prefix_cache(training, model: nn.Module, local: Dataset):

@@ -1,0 +1,89 @@
+"""Hugging Face causal language models for private fine-tuning (`model.task: causal_lm`).
+
+`CausalLM` wraps an `AutoModelForCausalLM` as `SequenceClassifier` (hf.py) wraps a classifier:
+it takes one tensor [B, 2, T] (token ids and attention mask stacked, right padded, as the data
+loader stores text), passes position ids of shape [B, T] (a broadcast [1, T] would reach the
+position embedding with a leading dimension that is not the example dimension) and returns the
+logits [B, T, V]. An example's targets are its own next tokens: no labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from raydp_train.hf import set_trainable, transformers_model
+from raydp_train.hf_files import resolve_name_or_path
+
+IGNORED = -100  # cross_entropy's ignore_index: a position whose next token is padding
+
+
+class CausalLM(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        # int64 and contiguous: the data stores int32
+        input_ids, attention_mask = tokens[:, 0].long().contiguous(), tokens[:, 1].long().contiguous()
+        batch, length = input_ids.shape
+        position_ids = torch.arange(length, device=input_ids.device).repeat(batch, 1)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=False).logits
+
+
+def build_causal_lm(config, load_weights: bool = True) -> CausalLM:
+    """The causal LM of `config` (a pipeline `model` section, task causal_lm), trainable as
+    asked. `load_weights=False` (validate): the same modules on the meta device."""
+    folder = None if config.config is not None else resolve_name_or_path(config.name_or_path)
+    model = transformers_model("AutoModelForCausalLM", config, folder, load_weights)
+    set_trainable(model, config.trainable, set())
+    return CausalLM(model)
+
+
+def next_token_targets(tokens: Tensor) -> Tensor:
+    """[B, T-1]: the id of token t+1 at position t, IGNORED where token t+1 is padding."""
+    ids, mask = tokens[:, 0].long(), tokens[:, 1]
+    return ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORED)
+
+
+def token_losses(logits: Tensor, tokens: Tensor) -> Tensor:
+    """[B, T-1] next-token cross-entropies, 0 at ignored positions."""
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), next_token_targets(tokens),
+                           ignore_index=IGNORED, reduction="none")
+
+
+def causal_lm_loss(reduction: str) -> Callable[[nn.Module, Tensor, Tensor], Tensor]:
+    """The per-example loss (model, tokens, labels) -> [B]: an example's next-token
+    cross-entropies over its real tokens, summed (`sum`) or averaged (`mean`); `labels` are
+    placeholders (the targets are the tokens)."""
+
+    def per_example_loss(model: nn.Module, tokens: Tensor, labels: Tensor) -> Tensor:
+        losses = token_losses(model(tokens), tokens).sum(1)
+        if reduction == "sum":
+            return losses
+        return losses / real_targets(tokens).clamp(min=1)
+
+    return per_example_loss
+
+
+def real_targets(tokens: Tensor) -> Tensor:
+    """[B]: how many next tokens each example predicts (its real tokens after the first)."""
+    return (next_token_targets(tokens) != IGNORED).sum(1)
+
+
+@torch.no_grad()
+def token_loss_sum(model: nn.Module, tokens: Tensor, rows: int = 256) -> tuple[float, int]:
+    """(sum of next-token cross-entropies over every real target of `tokens`, their number):
+    the held-out loss per token is their ratio, its perplexity exp(ratio)."""
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(tokens), rows):
+        batch = tokens[start:start + rows].to(device)
+        total += token_losses(model(batch), batch).sum().item()
+        count += real_targets(batch).sum().item()
+    return total, count
