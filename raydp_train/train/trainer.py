@@ -76,6 +76,7 @@ def fit(
     for name, value in TRAIN_SETTINGS.items():  # a user's own value wins
         os.environ.setdefault(name, value)
     progress = Queue(actor_options={"num_cpus": 0})
+    splits = file_splits(pipeline.data)  # the splits that reach the workers as shards, or None
     config = {
         "pipeline": pipeline.model_dump(mode="json"),
         "plan": plan.as_dict(),
@@ -84,9 +85,9 @@ def fit(
         "fail_at_step": fail_at_step,
         "budget": budget,
         "owner": owner or run_dir.name,
-        **_data_for_workers(pipeline, dataset),
+        **_data_for_workers(pipeline, dataset, splits),
     }
-    shards = file_splits(pipeline.data) is not None
+    shards = splits is not None
     trainer = TorchTrainer(
         _train_loop_per_worker,
         train_loop_config=config,
@@ -121,16 +122,16 @@ def fit(
     return trained
 
 
-def _data_for_workers(pipeline: Pipeline, dataset) -> dict:
-    """What the workers need besides their Ray Data shards (see fit)."""
-    if file_splits(pipeline.data) is None:
+def _data_for_workers(pipeline: Pipeline, dataset, splits: dict | None) -> dict:
+    """What the workers need besides their Ray Data shards (`splits`: see fit)."""
+    if splits is None:
         return {"dataset": None if dataset is None else ray.put(dataset), "data_shape": None,
                 "splits": ()}
     if dataset is None:  # its shape, from the files' schema and labels alone
         dataset = load_data(pipeline.data, pipeline.model.num_classes,
                             tokenizer_source(pipeline.model), tokenize=False)
     return {"dataset": None, "data_shape": (dataset.feature_shape, dataset.num_classes),
-            "splits": tuple(file_splits(pipeline.data))}
+            "splits": tuple(splits)}
 
 
 def _fit_until_stopped(trainer: TorchTrainer, run_dir: Path):
