@@ -2,7 +2,8 @@
 gradient released (the checks themselves: checks.py). For `validate` of a text model, the
 model's checks (seconds of importing torch and transformers) start in a forked process on the
 other core before this process imports what checking the data and the plan needs, so the two
-halves import and run side by side; this module itself imports nothing heavy."""
+halves import and run side by side, unless this model's checks passed before (passed_checks);
+this module itself imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def check_pipeline(pipeline: Pipeline, for_training: bool = True) -> tuple[Datas
     data error is still reported before a model error."""
     # Never fork a process that runs Ray's threads (a sweep's driver checks its candidates here).
     if not for_training and _is_text(pipeline) and not _ray_running():
-        with _forked(_check_text_model, pipeline) as model_checked:
+        with _model_check(pipeline) as model_checked:
             from raydp_train import checks
 
             checks.check_tokenizer(pipeline, for_training=False)
@@ -56,11 +57,38 @@ def _ray_running() -> bool:
     return ray is not None and ray.is_initialized()
 
 
+def _model_check(pipeline: Pipeline) -> _forked | _passed:
+    from raydp_train.hf_files import HFModelError
+    from raydp_train.passed_checks import passed_before
+
+    try:
+        if passed_before(pipeline):
+            return _passed()
+    except HFModelError:
+        pass  # a model folder that is not one: check_tokenizer names it
+    return _forked(_check_text_model, pipeline)
+
+
 def _check_text_model(pipeline: Pipeline) -> None:
     """In the forked child."""
     from raydp_train.checks import check_text_model
+    from raydp_train.passed_checks import remember_pass
 
     check_text_model(pipeline)
+    remember_pass(pipeline)
+
+
+class _passed:
+    """A model check that passed before for exactly these inputs."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def result(self) -> None:
+        pass
+
+    def __exit__(self, *exc_info) -> None:
+        pass
 
 
 class _forked:

@@ -30,8 +30,6 @@ from raydp_train.preflight import check_pipeline
 from raydp_train.privacy.budget import Spend
 from raydp_train.privacy.ledger import as_uri
 from raydp_train.privacy.random_stopping import draw_trial_count
-from raydp_train.reports.run import new_run_dir
-from raydp_train.reports.sweep import write_sweep_outputs
 
 RUNNING = "running"
 MODELS = "trial_models"  # each trained trial's model, until the sweep keeps the best
@@ -60,6 +58,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
     from ray import tune
 
     from raydp_train.budget_actor import open_budget
+    from raydp_train.reports.run import new_run_dir
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our own progress lines, not Tune's
     config = pipeline.tune
@@ -302,6 +301,8 @@ def _best(trials: list[dict], config) -> dict | None:
 
 
 def _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line):
+    from raydp_train.reports.sweep import write_sweep_outputs
+
     status = budget.status()
     privacy.update(
         epsilon=budget.epsilon_of(directory.name), delta=status["delta"],

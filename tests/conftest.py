@@ -16,6 +16,12 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    """Each test remembers its own passed model checks (passed_checks), never the user's."""
+    monkeypatch.setenv("RAYDP_TRAIN_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture
 def float64():
     """Compare in float64 so 1e-5 relative error measures the method, not rounding."""

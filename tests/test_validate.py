@@ -7,7 +7,7 @@ import sys
 import dp_accounting
 import pytest
 from dp_accounting import rdp
-from text_files import text_pipeline
+from text_files import MINILM, text_pipeline
 
 from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
 from raydp_train.privacy.budget import BudgetTerms, Spend
@@ -255,3 +255,59 @@ def test_a_broken_tokenizer_file_is_refused_by_name(tmp_path):
     (folder / "tokenizer.json").write_text("{not json")
     with pytest.raises(HFModelError, match=f"cannot read the tokenizer {folder}/tokenizer.json"):
         check_tokenizer(config)
+
+
+def test_a_passed_model_check_is_remembered_until_what_it_read_changes(tmp_path, monkeypatch):
+    """validate skips a model check that passed for exactly these inputs (passed_checks); an
+    edit of the pipeline, of the model's config.json, of a library or of raydp_train's own
+    code checks again, and a failed check is never remembered."""
+    import json
+    import shutil
+
+    from raydp_train import passed_checks, preflight
+    from raydp_train.config.pipeline import load_pipeline
+    from raydp_train.hf_files import HFModelError, resolve_name_or_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_name_or_path(MINILM), folder)
+    path = text_pipeline(tmp_path, name_or_path=str(folder),
+                         trainable=["bert.encoder.layer.5.*", "classifier.*"])
+    forks = []
+    real_fork = preflight._forked
+    monkeypatch.setattr(preflight, "_forked", lambda *call: forks.append(call) or real_fork(*call))
+
+    def check(*overrides: str) -> None:
+        preflight.check_pipeline(load_pipeline(path, list(overrides)), for_training=False)
+
+    check()
+    check()
+    assert len(forks) == 1  # the second check was remembered
+    check("privacy.clip_norm=0.5")  # a field the check reads: checked again, then remembered
+    check("privacy.clip_norm=0.5")
+    assert len(forks) == 2
+    for _ in range(2):  # a failed check is not remembered
+        with pytest.raises(HFModelError, match="model.trainable"):
+            check("model.trainable=[nope.*]")
+    assert len(forks) == 4
+    # The model's config changes under the same pipeline: 2 layers, so encoder.layer.5 is gone.
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(HFModelError, match="encoder.layer.5"):
+        check()
+    assert len(forks) == 5
+
+    pipeline = load_pipeline(path, [])
+    key = passed_checks._key(pipeline)
+    monkeypatch.setattr(passed_checks, "_version", lambda name: "another version")
+    assert passed_checks._key(pipeline) != key
+    monkeypatch.undo()
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "module.py").write_text("x = 1\n")
+    monkeypatch.setattr(passed_checks, "_SOURCE", source)
+    key = passed_checks._key(pipeline)
+    (source / "module.py").write_text("x = 22\n")
+    assert passed_checks._key(pipeline) != key
+    hub = pipeline.model_copy(update={"model": pipeline.model.model_copy(
+        update={"name_or_path": "sentence-transformers/all-MiniLM-L6-v2"})})
+    assert passed_checks._key(hub) is None  # a hub name's files may change unseen
