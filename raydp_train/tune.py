@@ -17,6 +17,7 @@ The selection metric is validation accuracy, on rows declared public or released
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
@@ -26,11 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
+from raydp_train.config.sweep import WHOLE_NUMBERS
 from raydp_train.preflight import check_pipeline
 from raydp_train.privacy.budget import Spend
 from raydp_train.privacy.ledger import as_uri
 from raydp_train.privacy.random_stopping import draw_trial_count
 
+SPEND_FIELDS = ("training.batch_size", "training.epochs")  # with sigma: what a trial spends
 RUNNING = "running"
 MODELS = "trial_models"  # each trained trial's model, until the sweep keeps the best
 
@@ -173,7 +176,9 @@ def _progress_printer(on_line, pipeline: Pipeline):
     """One line per trial epoch and per finished trial, on the driver."""
     from ray.tune import Callback
 
-    epochs, metric = pipeline.training.epochs, pipeline.tune.metric
+    metric = pipeline.tune.metric
+    # "epoch 3/20", unless the trials differ in epochs
+    of = "" if "training.epochs" in pipeline.tune.search_space else f"/{pipeline.training.epochs}"
 
     class ProgressPrinter(Callback):
         def on_trial_result(self, iteration, trials, trial, result, **info):
@@ -181,7 +186,7 @@ def _progress_printer(on_line, pipeline: Pipeline):
                 on_line(f"  {trial.trial_id}  {result['stop_reason'].split(':')[0]}  "
                         f"(trial epsilon {result['epsilon']:.3f})")
             elif "epoch" in result and "epsilon" in result:
-                on_line(f"  {trial.trial_id}  epoch {result['epoch']}/{epochs}  {metric} "
+                on_line(f"  {trial.trial_id}  epoch {result['epoch']}{of}  {metric} "
                         f"{result.get(metric, math.nan):.4f}  epsilon {result['epsilon']:.3f}")
 
     return ProgressPrinter()
@@ -199,13 +204,44 @@ def _check_search_space(pipeline: Pipeline) -> None:
 
 
 def worst_trial_spend(pipeline: Pipeline, plan) -> Spend:
-    """The costliest trial the search space allows: the one with the smallest sigma (per RDP
-    order, less noise never costs less privacy; q, steps and releases are the same for every
-    trial, as only sigma among the searchable fields changes what a trial spends)."""
+    """A spend that no trial of the search space exceeds at any RDP order: the largest
+    sampling rate, the most steps and releases and the smallest sigma of any trial. Per order,
+    a Poisson-subsampled Gaussian never costs less with a larger q, more steps or less noise,
+    so this bounds every trial, though no one trial need have all four (ARCHITECTURE.md §2.7).
+    Only sigma, `training.batch_size` and `training.epochs` among the searchable fields change
+    what a trial spends; a trial's own sigma is calibrated to its (q, steps) when the pipeline
+    sets target_epsilon."""
+    trials = [_trial_plan(pipeline, plan, overrides) for overrides in _spend_candidates(pipeline)]
     searched = pipeline.tune.search_space.get("privacy.noise_multiplier")
-    worst_sigma = min(searched.values()) if searched is not None else plan.noise_multiplier
-    trial = plan.spend(plan.steps, plan.epochs * plan.releases_per_epoch)
-    return replace(trial, noise_multiplier=worst_sigma)
+    sigma = (min(searched.values()) if searched is not None
+             else min(trial.noise_multiplier for trial in trials))
+    return replace(plan.spend(max(t.steps for t in trials),
+                              max(t.epochs * t.releases_per_epoch for t in trials)),
+                   sampling_rate=max(t.sampling_rate for t in trials), noise_multiplier=sigma)
+
+
+def _spend_candidates(pipeline: Pipeline) -> list[list[str]]:
+    """Every combination of the searched batch sizes and epochs, as `--set` overrides."""
+    space = pipeline.tune.search_space
+    axes = [[f"{key}={int(v)}" for v in space[key].values()] for key in SPEND_FIELDS
+            if key in space]
+    return [list(overrides) for overrides in itertools.product(*axes)]
+
+
+def _trial_plan(pipeline: Pipeline, plan, overrides: list[str]):
+    from raydp_train.plan import make_plan
+
+    if not overrides:
+        return plan
+    candidate = pipeline_from_dict(pipeline.model_dump(mode="json"), overrides,
+                                   source=f"tune.search_space {overrides}")
+    return make_plan(candidate, plan.num_examples)
+
+
+def most_epochs(pipeline: Pipeline) -> int:
+    """The most epochs any trial runs."""
+    searched = pipeline.tune.search_space.get("training.epochs")
+    return max(int(v) for v in searched.values()) if searched else pipeline.training.epochs
 
 
 def random_stopping_spend(pipeline: Pipeline, plan) -> Spend:
@@ -245,7 +281,9 @@ def _param_space(config) -> dict:
 
     make = {"choice": tune.choice, "grid": tune.grid_search,
             "uniform": lambda b: tune.uniform(*b), "loguniform": lambda b: tune.loguniform(*b)}
-    return {key: make[d.kind](getattr(d, d.kind)) for key, d in config.search_space.items()}
+    return {key: make[d.kind]([int(v) for v in d.values()] if key in WHOLE_NUMBERS
+                              else getattr(d, d.kind))
+            for key, d in config.search_space.items()}
 
 
 def _scheduler(pipeline: Pipeline):
@@ -256,7 +294,7 @@ def _scheduler(pipeline: Pipeline):
         return FIFOScheduler()
     return ASHAScheduler(
         time_attr="epoch", metric=config.metric, mode=config.mode,
-        max_t=pipeline.training.epochs, grace_period=config.asha.grace_period,
+        max_t=most_epochs(pipeline), grace_period=config.asha.grace_period,
         reduction_factor=config.asha.reduction_factor)
 
 

@@ -53,8 +53,8 @@ def _sweep_spend(pipeline: Pipeline, plan: PrivacyPlan) -> Spend:
         how = f"composition of {trial_count(config)} trials"
     epsilon = composed_epsilon([spend.dp_event()], plan.delta, plan.accountant)
     print(f"the sweep will spend    epsilon {epsilon:.4f} at delta {plan.delta:g} "
-          f"({plan.accountant.upper()}, {how}, each trial at the costliest sigma "
-          f"{spend.noise_multiplier:.4g})")
+          f"({plan.accountant.upper()}, {how}, each trial counted as the costliest: sigma "
+          f"{spend.noise_multiplier:.4g}, q {spend.sampling_rate:.4g}, {spend.steps} steps)")
     return spend
 
 

@@ -136,8 +136,10 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
                  "privacy.mechanism=lora", "privacy.lora={rank: 4, layers: ['1']}",
                  # A parameter group's lr is searched like any field (the head: layer 3).
                  "training.param_groups=[{params: ['3.*'], lr: 0.01}]",
+                 # Trials differ in q and steps too: the reservation bounds them all.
                  ("tune.search_space={privacy.noise_multiplier: {choice: [1.2, 1.5, 2.0]}, "
-                 "'training.param_groups[0].lr': {loguniform: [0.003, 0.03]}}")]
+                  "'training.param_groups[0].lr': {loguniform: [0.003, 0.03]}, "
+                  "training.batch_size: {choice: [64, 128]}}")]
     assert main(["tune", "pipelines/sweep_digits.yaml"]
                 + [x for o in overrides for x in ("--set", o)]) == 0
     (sweep_dir,) = (tmp_path / "runs").glob("sweep-digits-sweep-*")
@@ -150,4 +152,7 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
     assert [(r["kind"], r["mechanism"], r["mean_trials"]) for r in rows[1:]] == [
         ("reserve", "lora", 2.0), ("settle", "lora", 2.0)]
     assert rows[1]["noise_multiplier"] == 1.2  # the costliest trial the space allows
+    # N = 1150 training rows: the largest q (batch 128) and the most steps (batch 64: 17)
+    assert (rows[1]["sampling_rate"], rows[1]["steps"]) == (128 / 1150, 17)
+    assert {t["training.batch_size"] for t in summary["trials"]} <= {64, 128}
     assert summary["privacy"]["epsilon"] == pytest.approx(rows[1]["running_epsilon"])

@@ -7,7 +7,7 @@ from dp_accounting import rdp
 
 from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.preflight import check_pipeline
-from raydp_train.tune import random_stopping_spend
+from raydp_train.tune import random_stopping_spend, worst_trial_spend
 
 SWEEP = "pipelines/sweep_digits.yaml"
 
@@ -25,8 +25,13 @@ def _error(*overrides: str) -> str:
      "tune.metric: the sweep would select on private validation rows"),
     (["tune.search_space={training.lr: {choice: [0.1], step: 2}}"],
      "tune.search_space.training.lr.step: unknown field; allowed fields: choice, grid, uniform"),
-    (["tune.search_space={training.epochs: {choice: [2]}}"],
-     "cannot search 'training.epochs'; searchable: privacy.noise_multiplier"),
+    (["tune.search_space={training.max_physical_batch: {choice: [2]}}"],
+     "cannot search 'training.max_physical_batch'; searchable: privacy.noise_multiplier"),
+    (["tune.search_space={training.batch_size: {uniform: [64, 256]}}"],
+     ("tune.search_space.training.batch_size: training.batch_size is a whole number: list its "
+     "values with choice or grid, not uniform")),
+    (["tune.search_space={training.epochs: {choice: [2, 2.5]}}"],
+     "tune.search_space.training.epochs.choice: training.epochs is a whole number, got [2.5]"),
     (["tune.search_space={training.lr: {uniform: [0.1, 0.01]}}"],
      "tune.search_space.training.lr.uniform: must be [low, high] with low < high"),
     (["tune.search_space={training.lr: {loguniform: [0.0, 0.1]}}"],
@@ -135,3 +140,54 @@ def test_param_group_fields_are_searchable_by_index():
     assert trial.training.param_groups[0].lr == 0.02  # how a trial applies its value
     assert "cannot search 'training.param_groups[0].params'" in _error(
         groups, "tune.search_space={'training.param_groups[0].params': {choice: [1]}}")
+
+
+def _epsilons(q: float, sigma: float, steps: int, releases: int) -> list[float]:
+    """dp-accounting itself, at three deltas: a trial of `steps` Poisson-sampled Gaussian steps
+    and `releases` noisy validation counts (sigma 4)."""
+    events = [dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        q, dp_accounting.GaussianDpEvent(sigma)), steps)]
+    if releases:
+        events.append(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(4.0),
+                                                        releases))
+    accountant = rdp.RdpAccountant()
+    accountant.compose(dp_accounting.ComposedDpEvent(events))
+    return [accountant.get_epsilon(delta) for delta in (1e-3, 1e-5, 1e-9)]
+
+
+SPACE = "training.batch_size: {choice: [64, 256]}, training.epochs: {grid: [2, 6]}"
+
+
+@pytest.mark.parametrize("noise", [
+    [f"tune.search_space={{privacy.noise_multiplier: {{choice: [1.2, 2.0]}}, {SPACE}}}"],
+    # each trial's sigma calibrated to epsilon 3 for its own (q, steps); public validation rows
+    [f"tune.search_space={{{SPACE}}}", "privacy.noise_multiplier=null",
+     "privacy.target_epsilon=3", "data.validation.private=false"]])
+def test_a_searched_batch_size_and_epochs_are_bounded_by_one_costliest_trial(noise):
+    """Every (batch, epochs, sigma) a trial can get costs no more, at any delta, than the
+    bound validate and random stopping use: the largest q, the most steps and releases, and
+    the smallest sigma of the search space."""
+    from raydp_train.plan import make_plan
+
+    pipeline = load_pipeline(SWEEP, noise)
+    _, plan = check_pipeline(pipeline)
+    bound = worst_trial_spend(pipeline, plan)
+    n = plan.num_examples
+    trials = [make_plan(load_pipeline(SWEEP, [*noise, f"training.batch_size={b}",
+                                              f"training.epochs={e}"]), n)
+              for b in (64, 256) for e in (2, 6)]
+    sigmas = [1.2, 2.0] if pipeline.privacy.noise_multiplier else [t.noise_multiplier
+                                                                    for t in trials]
+    assert bound.sampling_rate == 256 / n and bound.noise_multiplier == min(sigmas)
+    assert bound.steps == max(t.steps for t in trials) == trials[1].steps  # batch 64, 6 epochs
+    assert bound.releases == (6 if plan.releases_per_epoch else 0)
+    ceiling = _epsilons(bound.sampling_rate, bound.noise_multiplier, bound.steps, bound.releases)
+    for trial in trials:
+        for sigma in (sigmas if pipeline.privacy.noise_multiplier else [trial.noise_multiplier]):
+            own = _epsilons(trial.sampling_rate, sigma, trial.steps,
+                            trial.epochs * trial.releases_per_epoch)
+            assert all(a <= b for a, b in zip(own, ceiling, strict=True)), (trial, sigma)
+    # Not searched: the bound is the pipeline's own trial.
+    plain = load_pipeline(SWEEP)
+    _, own_plan = check_pipeline(plain)
+    assert worst_trial_spend(plain, own_plan).steps == own_plan.steps

@@ -30,7 +30,11 @@ SEARCHABLE = (
     "privacy.lora.rank", "privacy.lora.alpha", "privacy.lora.dropout",
     "training.lr", "training.weight_decay", "training.warmup_steps", "training.warmup_fraction",
     "training.param_groups[i].lr", "training.param_groups[i].weight_decay",
+    "training.batch_size", "training.epochs",
 )
+# Whole-number fields: a trial must get one of the listed values, never a draw from a range.
+WHOLE_NUMBERS = ("privacy.lsg.rank", "privacy.lora.rank", "training.warmup_steps",
+                 "training.batch_size", "training.epochs")
 
 
 def searchable(key: str) -> bool:
@@ -116,6 +120,20 @@ class TuneConfig(Section):
             if not searchable(key):
                 raise FieldProblem(f"cannot search {key!r}; searchable: {', '.join(SEARCHABLE)}")
         return space
+
+    @model_validator(mode="after")
+    def _whole_numbers_listed(self) -> TuneConfig:
+        for key, dimension in self.search_space.items():
+            if key not in WHOLE_NUMBERS:
+                continue
+            if dimension.kind in ("uniform", "loguniform"):
+                raise FieldProblem(f"{key} is a whole number: list its values with choice or "
+                                   f"grid, not {dimension.kind}", f"search_space.{key}")
+            fractional = [v for v in dimension.values() if v != int(v)]
+            if fractional:
+                raise FieldProblem(f"{key} is a whole number, got {fractional}",
+                                   f"search_space.{key}.{dimension.kind}")
+        return self
 
     @model_validator(mode="after")
     def _random_stopping_rules(self) -> TuneConfig:
