@@ -35,6 +35,7 @@ from raydp_train.privacy.random_stopping import draw_trial_count
 
 SPEND_FIELDS = ("training.batch_size", "training.epochs")  # with sigma: what a trial spends
 RUNNING = "running"
+REFUSALS = ("budget exhausted", "reservation used up")  # shown without their long reasons
 MODELS = "trial_models"  # each trained trial's model, until the sweep keeps the best
 
 
@@ -119,7 +120,12 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
     """One trial: the pipeline with `params` set, trained by the code `run` uses."""
     from ray import tune
 
-    from raydp_train.train.charges import MemoryCharges, RunAccount, epsilon_cap
+    from raydp_train.train.charges import (
+        MemoryCharges,
+        RunAccount,
+        epsilon_cap,
+        planned_charges,
+    )
     from raydp_train.train.context import LocalContext
     from raydp_train.train.trainer import fit
     from raydp_train.train.worker import train
@@ -130,11 +136,16 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
     trial_id = tune.get_context().get_trial_id()
     owner = f"{sweep_id}/{trial_id}"
 
+    # Under random stopping (no budget of its own) the sweep's one reservation pays for this
+    # trial's planned steps, and no more.
+    ceiling = planned_charges(plan) if budget is None else None
+
     def report(row: dict) -> None:
         tune.report({**row, "stop_reason": RUNNING})
 
     if pipeline.training.workers == 1:
-        account = RunAccount(MemoryCharges(), budget, owner, plan, epsilon_cap(pipeline, plan))
+        account = RunAccount(MemoryCharges(), budget, owner, plan, epsilon_cap(pipeline, plan),
+                             ceiling)
         result = train(pipeline, plan, LocalContext(on_epoch=report, account=account),
                        dataset=dataset)
     else:
@@ -142,7 +153,7 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
 
         result = fit(pipeline, plan, Path(directory) / "train" / trial_id, on_epoch=lambda r: None,
                      budget=budget, owner=owner, callbacks=[TuneReportCallback()],
-                     dataset=dataset)
+                     dataset=dataset, ceiling=ceiling)
     if result.steps_done:
         _save_trial_model(Path(directory), trial_id, pipeline, plan, result)
     last = result.metrics[-1] if result.metrics else {"epoch": 0, "validation_accuracy": math.nan}
@@ -321,7 +332,7 @@ def _trial_row(result, config) -> dict:
         epsilon=metrics.get("epsilon", math.nan),
         validation_accuracy=metrics.get("validation_accuracy", math.nan),
         test_accuracy=metrics.get("test_accuracy", math.nan),
-        stop_reason=stop.split(":")[0] if stop.startswith("budget exhausted") else stop)
+        stop_reason=stop.split(":")[0] if stop.startswith(REFUSALS) else stop)
     if result.error:
         row["error"] = str(result.error).splitlines()[0]
     return row

@@ -12,6 +12,7 @@ from raydp_train.train.charges import (
     ChargeRefused,
     MemoryCharges,
     RunAccount,
+    planned_charges,
 )
 
 
@@ -90,3 +91,22 @@ def test_run_account_never_charges_past_its_epsilon_cap(tmp_path):
         account.charge(Charged(1, 0))
     assert account.total() == (40, 2)
     assert accountant.status()["owners"]["run-1"]["steps_spent"] == 40
+
+
+def test_a_run_under_a_reservation_made_elsewhere_never_charges_past_it():
+    """A random-stopping trial: the sweep reserved its planned steps and releases once; a
+    restart that repeats an epoch is refused, not recorded."""
+    plan = _plan()  # 5 epochs of 20 steps, one release each
+    account = RunAccount(MemoryCharges(), None, "sweep/trial", plan,
+                         ceiling=planned_charges(plan))
+    assert planned_charges(plan) == (100, 5)
+    for _ in range(4):
+        account.charge(Charged(20, 1))
+    with pytest.raises(ChargeRefused, match="reservation used up: the sweep reserved 100 steps "
+                                            "and 5 releases for this trial, and the next epoch "
+                                            "would charge 100 and 6"):
+        account.charge(Charged(20, 2))  # more releases than reserved
+    assert account.charge(Charged(20, 1)) == (100, 5)  # exactly what was reserved
+    with pytest.raises(ChargeRefused, match="would charge 101 and 5"):
+        account.charge(Charged(1, 0))
+    assert account.total() == (100, 5)

@@ -17,6 +17,7 @@ from raydp_train.data import load_data
 from raydp_train.models import build_model
 from raydp_train.plan import make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.train.charges import planned_charges
 from raydp_train.train.step import cross_entropy_loss
 from raydp_train.train.trainer import fit
 
@@ -110,6 +111,19 @@ def test_a_restart_never_takes_a_calibrated_run_past_its_target_epsilon(ray_sess
     assert result.steps_done == 20 and result.steps_charged == 30  # epoch 2 charged twice
     assert plan.epsilon(result.steps_charged) <= 2.0
     assert [r["epoch"] for r in result.metrics] == [1, 2]
+
+
+def test_a_restart_never_takes_a_random_stopping_trial_past_its_reservation(ray_session,
+                                                                            tmp_path):
+    """A sweep's one reservation pays for each trial's planned steps (fixed sigma: no target
+    to stop at). The restart after a crash in epoch 2 charges epoch 2 again; the third epoch
+    would then charge more than was reserved, so the trial stops after the second."""
+    pipeline = small_pipeline(2, epochs=3)
+    plan = make_plan(pipeline, 640)
+    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, fail_at_step=15,
+                 ceiling=planned_charges(plan))
+    assert result.stop_reason.startswith("reservation used up")
+    assert result.steps_done == 20 and result.steps_charged == 30 == plan.steps
 
 
 def test_cli_run_on_ray_then_report(ray_session, tmp_path, capsys):

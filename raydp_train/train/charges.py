@@ -9,7 +9,10 @@ checkpoint charges the repeated steps again, so epsilon counts every step that w
 `RunAccount` adds the global budget in front of it: the budget's accountant must grant an
 epoch before the run records it, and a run calibrated to `privacy.target_epsilon` never
 charges an epoch that would take it past that target (a restart that repeats steps would).
-A refusal stops the run cleanly at its last checkpoint.
+A trial of a random-stopping sweep spends from the sweep's one reservation, made for its
+planned steps (tune.worst_trial_spend): it never charges more than those (`ceiling`), so a
+restart cannot take it past what was reserved. A refusal stops the run cleanly at its last
+checkpoint.
 """
 
 from __future__ import annotations
@@ -92,19 +95,26 @@ def epsilon_cap(pipeline, plan) -> float | None:
     return pipeline.privacy.target_epsilon if plan.noise_calibrated else None
 
 
+def planned_charges(plan) -> Charged:
+    """What a run charges when it runs as planned: every step, every epoch's releases."""
+    return Charged(plan.steps, plan.epochs * plan.releases_per_epoch)
+
+
 class RunAccount:
     """Where one run's privacy goes: the global budget (if any) grants, the record keeps."""
 
     def __init__(self, record: ChargeLedger | MemoryCharges, budget=None, owner: str = "",
-                 plan=None, epsilon_cap: float | None = None):
-        """`epsilon_cap`: the run's `privacy.target_epsilon` (None: no cap of its own)."""
+                 plan=None, epsilon_cap: float | None = None, ceiling: Charged | None = None):
+        """`epsilon_cap`: the run's `privacy.target_epsilon` (None: no cap of its own);
+        `ceiling`: the most it may charge in all, when a reservation made elsewhere pays."""
         self.record, self.budget, self.owner, self.plan = record, budget, owner, plan
-        self.epsilon_cap = epsilon_cap
+        self.epsilon_cap, self.ceiling = epsilon_cap, ceiling
         self._open = None  # the budget's grant for the epoch being run
 
     def charge(self, charge: Charged) -> Charged:
         """Reserve `charge` from the budget, then record it; raises ChargeRefused."""
         self._check_cap(charge)
+        self._check_ceiling(charge)
         if self.budget is not None:
             decision = self.budget.reserve(self.owner, self.plan.spend(*charge))
             if not decision.granted:
@@ -124,6 +134,16 @@ class RunAccount:
                 f"epoch's {charge.steps} would make epsilon {epsilon:.4f}, above "
                 f"privacy.target_epsilon {self.epsilon_cap:g}"
             )
+
+    def _check_ceiling(self, charge: Charged) -> None:
+        if self.ceiling is None:
+            return
+        after = self.total() + charge
+        if after.steps > self.ceiling.steps or after.releases > self.ceiling.releases:
+            raise ChargeRefused(
+                f"reservation used up: the sweep reserved {self.ceiling.steps} steps and "
+                f"{self.ceiling.releases} releases for this trial, and the next epoch would "
+                f"charge {after.steps} and {after.releases} (a restart repeats steps)")
 
     def settle(self, used: Charged) -> None:
         """Tell the budget what the granted epoch used (all of it, unless it stopped early)."""

@@ -21,7 +21,7 @@ from raydp_train.data_shards import ShardEveryRow, file_splits, split_datasets
 from raydp_train.hf_files import tokenizer_source
 from raydp_train.plan import PrivacyPlan
 from raydp_train.quiet import ray_logging_level
-from raydp_train.train.charges import ChargeLedger, RunAccount, epsilon_cap
+from raydp_train.train.charges import Charged, ChargeLedger, RunAccount, epsilon_cap
 from raydp_train.train.context import RayTrainContext, clear_stop, request_stop, stop_requested
 from raydp_train.train.worker import TrainResult, train
 
@@ -63,10 +63,12 @@ def fit(
     owner: str = "",
     callbacks: list | None = None,
     dataset=None,
+    ceiling: Charged | None = None,
 ) -> TrainResult:
     """Train on Ray Train with `training.workers` workers; resumes if `run_dir` has a checkpoint.
 
-    With `budget`, rank 0 reserves each epoch from that global budget as `owner`. Parquet
+    With `budget`, rank 0 reserves each epoch from that global budget as `owner`; with
+    `ceiling` (a random-stopping trial), the run never charges more than it. Parquet
     splits that are files of their own reach the workers as Ray Data shards (data_shards.py;
     `dataset`, the driver's checked summary, then gives only their shape); any other
     `dataset` (loaded, e.g. split in memory, by the driver) through the object store.
@@ -85,6 +87,7 @@ def fit(
         "fail_at_step": fail_at_step,
         "budget": budget,
         "owner": owner or run_dir.name,
+        "ceiling": ceiling,
         **_data_for_workers(pipeline, dataset, splits),
     }
     shards = splits is not None
@@ -184,7 +187,7 @@ def _train_loop_per_worker(config: dict) -> TrainResult:
     pipeline = pipeline_from_dict(config["pipeline"])
     plan = PrivacyPlan(**config["plan"])
     account = RunAccount(ChargeLedger(config["run_dir"]), config["budget"], config["owner"], plan,
-                         epsilon_cap(pipeline, plan))
+                         epsilon_cap(pipeline, plan), config["ceiling"])
     context = RayTrainContext(config["progress"], account, config["run_dir"], config["splits"])
     dataset = None if config["dataset"] is None else ray.get(config["dataset"])
     result = train(pipeline, plan, context, config["fail_at_step"], dataset, config["data_shape"])
