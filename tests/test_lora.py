@@ -1,6 +1,7 @@
-"""DP-LoRA (ARCHITECTURE.md §2.9): peft's adapters clipped by the engine exactly as a naive
-per-example loop clips them (float64, padding included), base weights frozen, DP-SGD's
-accounting, and a released model that is the merged architecture plus the adapters alone."""
+"""DP-LoRA (ARCHITECTURE.md §2.9): adapters folded into their layer's matmul, clipped by the
+engine exactly as a naive per-example loop clips them (float64, padding included), base
+weights frozen, DP-SGD's accounting, and a released model that is the merged architecture
+plus the adapters alone, which peft loads."""
 
 from types import SimpleNamespace
 
@@ -102,9 +103,9 @@ def test_lora_trains_only_adapters_and_releases_the_merged_model(tmp_path):
     initial = build_model(pipeline.model, (64,), 10)
     result = train(pipeline, plan, LocalContext(on_epoch=lambda row: None))
     names = [n for n, p in result.model.named_parameters() if p.requires_grad]
-    assert names == ["1.lora_A.default.weight", "1.lora_B.default.weight", "3.weight", "3.bias"]
+    assert names == ["1.lora_A", "1.lora_B", "3.weight", "3.bias"]
     assert result.trained_per_step == 4 * 64 + 64 * 4 + 64 * 10 + 10
-    base = result.model[1].get_base_layer()
+    base = result.model[1].base_layer
     assert torch.equal(base.weight, initial[1].weight) and torch.equal(base.bias, initial[1].bias)
     assert result.metrics[-1]["test_accuracy"] > 0.3
     # Accounted as DP-SGD: the same epsilon for the same q, sigma and steps.
@@ -157,6 +158,9 @@ def test_bad_lora_settings_name_their_field():
     with pytest.raises(PipelineError, match="privacy.lora: only allowed with mechanism: lora"):
         pipeline_from_dict({**digits().model_dump(), "privacy": {
             "noise_multiplier": 1.0, "lora": {"rank": 2}}})
+    with pytest.raises(PipelineError, match="privacy.lora.dropout: only 0, got 0.1: each adapter "
+                                            "is folded into its layer's one matmul"):
+        digits(dropout=0.1)
 
 
 def test_budgets_and_sweeps_take_lora():
@@ -164,9 +168,8 @@ def test_budgets_and_sweeps_take_lora():
     assert spend.mechanism == "lora" and mechanism_named("lora").private
     spend.check()
     space = ("tune.search_space={privacy.lora.rank: {choice: [2, 4]}, "
-             "privacy.lora.alpha: {loguniform: [4, 32]}, privacy.lora.dropout: {uniform: [0, 0.2]}}")
+             "privacy.lora.alpha: {loguniform: [4, 32]}}")
     sweep = load_pipeline("pipelines/sweep_digits.yaml", ["privacy.mechanism=lora", space])
-    assert set(sweep.tune.search_space) == {
-        "privacy.lora.rank", "privacy.lora.alpha", "privacy.lora.dropout"}
+    assert set(sweep.tune.search_space) == {"privacy.lora.rank", "privacy.lora.alpha"}
     with pytest.raises(PipelineError, match="searching privacy.lora fields needs"):
         load_pipeline("pipelines/sweep_digits.yaml", [space])

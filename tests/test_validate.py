@@ -257,44 +257,63 @@ def test_a_broken_tokenizer_file_is_refused_by_name(tmp_path):
         check_tokenizer(config)
 
 
+# Checks pipeline argv[1] once per JSON list of --set overrides in argv[2:], each in this one
+# process (no Ray here: validate forks its model check only without it); prints, per check,
+# the model checks forked so far and the outcome.
+CHECKS = """
+import json, sys
+from raydp_train import preflight
+from raydp_train.config.pipeline import load_pipeline
+
+forks, real_fork = [], preflight._forked
+preflight._forked = lambda *call: forks.append(call) or real_fork(*call)
+for overrides in sys.argv[2:]:
+    try:
+        preflight.check_pipeline(load_pipeline(sys.argv[1], json.loads(overrides)), False)
+        outcome = "passed"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    print(json.dumps([len(forks), outcome]))
+"""
+
+
 def test_a_passed_model_check_is_remembered_until_what_it_read_changes(tmp_path, monkeypatch):
-    """validate skips a model check that passed for exactly these inputs (passed_checks); an
-    edit of the pipeline, of the model's config.json, of a library or of raydp_train's own
-    code checks again, and a failed check is never remembered."""
+    """validate skips a model check that passed for exactly these inputs, in this process or a
+    later one (passed_checks); an edit of the pipeline, of the model's config.json, of a
+    library or of raydp_train's own code checks again, and a failed check is never
+    remembered."""
     import json
     import shutil
+    import subprocess
 
-    from raydp_train import passed_checks, preflight
+    from raydp_train import passed_checks
     from raydp_train.config.pipeline import load_pipeline
-    from raydp_train.hf_files import HFModelError, resolve_name_or_path
+    from raydp_train.hf_files import resolve_name_or_path
 
     folder = tmp_path / "model"
     shutil.copytree(resolve_name_or_path(MINILM), folder)
     path = text_pipeline(tmp_path, name_or_path=str(folder),
                          trainable=["bert.encoder.layer.5.*", "classifier.*"])
-    forks = []
-    real_fork = preflight._forked
-    monkeypatch.setattr(preflight, "_forked", lambda *call: forks.append(call) or real_fork(*call))
 
-    def check(*overrides: str) -> None:
-        preflight.check_pipeline(load_pipeline(path, list(overrides)), for_training=False)
+    def checks(*overrides: list[str]) -> list[tuple[int, str]]:
+        done = subprocess.run([sys.executable, "-c", CHECKS, path,
+                               *[json.dumps(o) for o in overrides]],
+                              capture_output=True, text=True, timeout=300, check=True)
+        return [tuple(json.loads(line)) for line in done.stdout.splitlines()]
 
-    check()
-    check()
-    assert len(forks) == 1  # the second check was remembered
-    check("privacy.clip_norm=0.5")  # a field the check reads: checked again, then remembered
-    check("privacy.clip_norm=0.5")
-    assert len(forks) == 2
-    for _ in range(2):  # a failed check is not remembered
-        with pytest.raises(HFModelError, match="model.trainable"):
-            check("model.trainable=[nope.*]")
-    assert len(forks) == 4
+    clip, nope = ["privacy.clip_norm=0.5"], ["model.trainable=[nope.*]"]
+    outcomes = checks([], [], clip, clip, nope, nope)
+    # the second check is remembered; a field the check reads is checked again, then
+    # remembered; a failed check is not remembered
+    assert [forks for forks, _ in outcomes] == [1, 1, 2, 2, 3, 4]
+    assert [o for _, o in outcomes[:4]] == ["passed"] * 4
+    assert all(o.startswith("HFModelError: model.trainable") for _, o in outcomes[4:])
+    assert checks([]) == [(0, "passed")]  # remembered by a later process too (a new validate)
     # The model's config changes under the same pipeline: 2 layers, so encoder.layer.5 is gone.
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
-    with pytest.raises(HFModelError, match="encoder.layer.5"):
-        check()
-    assert len(forks) == 5
+    ((forks, outcome),) = checks([])
+    assert forks == 1 and "HFModelError" in outcome and "bert.encoder.layer.5" in outcome
 
     pipeline = load_pipeline(path, [])
     key = passed_checks._key(pipeline)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from raydp_train.config.base import SafeName, Section, exactly_one
 from raydp_train.config.data_model import (
@@ -77,15 +77,25 @@ class LsgConfig(Section):
 
 
 class LoraConfig(Section):
-    """DP-LoRA's adapters (ARCHITECTURE.md §2.9; Yu et al. 2022), made by peft."""
+    """DP-LoRA's adapters (ARCHITECTURE.md §2.9; Yu et al. 2022)."""
 
     rank: int = Field(8, ge=1)  # r: A (r x in), B (out x r)
     alpha: float = Field(16.0, gt=0)  # the update is (alpha / r) B A
-    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input
+    dropout: float = 0.0  # only 0: the adapter is folded into its layer's one matmul
     # Linear module-name patterns (fnmatch); default: trainable Linear layers with
     # min(in, out) > rank (not a 2-output head)
     layers: list[str] | None = Field(None, min_length=1)
     train_other: Literal["dpsgd", "freeze"] = "dpsgd"  # biases, norms, heads, embeddings
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value != 0:
+            raise FieldProblem(
+                f"only 0, got {show(value)}: each adapter is folded into its layer's one "
+                "matmul, y = x (W + (alpha / r) B A)^T + b, so the adapter has no input of its "
+                "own to drop (the model's own dropout still applies)")
+        return value
 
 
 # Each mechanism's own settings section, named after it (privacy/mechanism.py).

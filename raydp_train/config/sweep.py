@@ -27,7 +27,7 @@ class BudgetConfig(Section):
 
 SEARCHABLE = (
     "privacy.noise_multiplier", "privacy.clip_norm", "privacy.lsg.rank", "privacy.lsg.sparsity",
-    "privacy.lora.rank", "privacy.lora.alpha", "privacy.lora.dropout",
+    "privacy.lora.rank", "privacy.lora.alpha",
     "training.lr", "training.weight_decay", "training.warmup_steps", "training.warmup_fraction",
     "training.param_groups[i].lr", "training.param_groups[i].weight_decay",
     "training.batch_size", "training.epochs",

@@ -84,7 +84,7 @@ def drop_padding(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     return a[:, :kept], g[:, :kept], in_use[:, :kept].nonzero()
 
 
-def _gram_key(x: Tensor, token_view: tuple, kept_tokens: int) -> tuple:
+def gram_key(x: Tensor, token_view: tuple, kept_tokens: int) -> tuple:
     """Identifies a Gram matrix a a^T by the layer input's memory (not the Python object: each
     hook recorded its own `detach()` of the one tensor that Q, K and V read, and inputs are
     checked unchanged since their layers ran), the rule's token view of it (a convolution's
@@ -128,7 +128,7 @@ class LinearRule(Rule):
         if "weight" in slots:
             shareable = len(calls.inputs) == 1 and self.groups(module) == 1
             view = self.token_view(module)
-            key = _gram_key(calls.inputs[0], view, a.shape[1]) if shareable else None
+            key = gram_key(calls.inputs[0], view, a.shape[1]) if shareable else None
             per_group = []
             for a_part, g_part in self._group_slices(module, a, g):
                 group_norms, per_example = linear_weight_norm(a_part, g_part, gram_cache, key)

@@ -1,43 +1,96 @@
-"""DP-LoRA (ARCHITECTURE.md §2.9; Yu et al. 2022): low-rank adapters made by `peft` on chosen
-Linear layers, their base weights frozen. The adapters' A and B are plain `nn.Linear`
-modules, so the engine clips their per-example gradients with the Linear rule, in the same one
-backward as every other trained parameter; noise and accounting are DP-SGD's."""
+"""DP-LoRA (ARCHITECTURE.md §2.9; Yu et al. 2022): a low-rank adapter on each chosen Linear
+layer, its base weight frozen. `LoraLinear` folds the adapter into the layer's one matmul,
+y = x (W + s B A)^T + b with s = alpha / r, and `LoraRule` forms A's and B's per-example
+gradients from the layer's input and output gradient through rank-r products, in the same
+one backward as every other trained parameter's; noise and accounting are DP-SGD's. Saved
+as the merged model, and the adapters alone in peft's format."""
 
 from __future__ import annotations
 
 import fnmatch
-import re
+import math
 from copy import deepcopy
 from pathlib import Path
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from raydp_train.errors import UserError
+from raydp_train.privacy.layer_rules import (
+    LinearRule,
+    add_linear_clipped_sum,
+    gram_key,
+    linear_weight_norm,
+)
+from raydp_train.privacy.rule_registry import LayerCalls, Rule, register_rule
 
 
 class LoraSetupError(UserError, ValueError):
     """The pipeline's privacy.lora settings do not fit the model; the message names the field."""
 
 
-def add_adapters(model: nn.Module, settings, seed: int) -> list[str]:
-    """Give the chosen trainable Linear layers a LoRA adapter (A random from `seed`, B zero, so
-    the model starts unchanged); freeze their base weights, and the other trainable
-    parameters too with `train_other: freeze`. The names of the adapted layers."""
-    from peft import LoraConfig, inject_adapter_in_model
+class LoraLinear(nn.Module):
+    """A frozen `base_layer` (nn.Linear) plus a rank-r update: A [r, in] drawn as nn.Linear
+    draws its weights, B [out, r] = 0, so the layer starts as the base layer."""
 
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.scaling = alpha / rank
+        weight = base.weight
+        bound = 1.0 / math.sqrt(base.in_features)  # kaiming_uniform(a=sqrt(5)), as nn.Linear
+        a = torch.rand(rank, base.in_features, generator=generator, dtype=weight.dtype)
+        self.lora_A = nn.Parameter((2 * a - 1).mul_(bound).to(weight.device))
+        self.lora_B = nn.Parameter(weight.new_zeros(base.out_features, rank))
+
+    def merged_weight(self) -> Tensor:
+        return self.base_layer.weight + self.scaling * (self.lora_B @ self.lora_A)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.merged_weight(), self.base_layer.bias)
+
+
+@register_rule(LoraLinear)
+class LoraRule(Rule):
+    """From the layer's input x [B, T, m] and output gradient g [B, T, n]: B's per-example
+    gradient is (s g)^T h with h = x A^T, A's is u^T x with u = (s g) B -- Linear gradients of
+    two rank-r carriers, so the [n, m] weight gradient of W is never formed."""
+
+    _tokens = LinearRule()
+
+    def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
+        x, g, rows = self._tokens.stacked_tokens(module, calls)
+        scaled = g * module.scaling
+        h, u = x @ module.lora_A.detach().t(), scaled @ module.lora_B.detach()
+        # Q, K and V read one input: share its Gram with theirs (single calls only).
+        key = (gram_key(calls.inputs[0], self._tokens.token_view(module), x.shape[1])
+               if len(calls.inputs) == 1 else None)
+        norms_a, per_example_a = linear_weight_norm(x, u, gram_cache, key)
+        norms_b, per_example_b = linear_weight_norm(h, scaled, gram_cache, None)
+        calls.state.update(pairs={"lora_A": (x, u, per_example_a),
+                                  "lora_B": (h, scaled, per_example_b)}, rows=rows)
+        return norms_a + norms_b
+
+    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
+        for name, (inputs, grads, per_example) in calls.state["pairs"].items():
+            add_linear_clipped_sum(slots[name], inputs, grads, clip_factors, per_example,
+                                   calls.state["rows"])
+
+
+def add_adapters(model: nn.Module, settings, seed: int) -> list[str]:
+    """Replace the chosen trainable Linear layers by LoraLinear (A drawn from `seed`, B zero,
+    so the model starts unchanged), their base weights frozen; freeze the other trainable
+    parameters too with `train_other: freeze`. The names of the adapted layers."""
     targets = adapted_layers(model, settings)
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
-                        lora_dropout=settings.dropout, bias="none",
-                        target_modules="^(" + "|".join(map(re.escape, targets)) + ")$")
-    with torch.random.fork_rng(devices=[]):  # every rank draws the same A
-        torch.manual_seed(seed)
-        inject_adapter_in_model(config, model)
-    for name, parameter in model.named_parameters():
-        # An adapted layer's own weight is now `<layer>.base_layer.weight`: not in `trainable`.
-        keep_training = name in trainable and settings.train_other != "freeze"
-        parameter.requires_grad_(".lora_" in name or keep_training)
+    if settings.train_other == "freeze":
+        model.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)  # every rank draws the same A
+    for name in targets:
+        owner, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(owner)
+        setattr(parent, attribute, LoraLinear(getattr(parent, attribute), settings.rank,
+                                              settings.alpha, generator))
     return targets
 
 
@@ -60,25 +113,33 @@ def adapted_layers(model: nn.Module, settings) -> list[str]:
 
 
 def merged(model: nn.Module) -> nn.Module:
-    """A copy of `model` with each adapter merged into its base weight (W + (alpha/r) B A) and
-    the plain layer put back: the architecture the model was built with."""
-    from peft.tuners.lora import LoraLayer
-
+    """A copy of `model` with each adapter merged into its base weight (W + s B A) and the
+    plain layer put back: the architecture the model was built with."""
     plain = deepcopy(model)
     for name, module in list(plain.named_modules()):
-        if isinstance(module, LoraLayer):
-            module.merge()
+        if isinstance(module, LoraLinear):
+            layer = module.base_layer
+            with torch.no_grad():
+                layer.weight.copy_(module.merged_weight())
             owner, _, attribute = name.rpartition(".")
-            setattr(plain.get_submodule(owner), attribute, module.get_base_layer())
+            setattr(plain.get_submodule(owner), attribute, layer)
     return plain
 
 
 def save_adapter(model: nn.Module, folder: Path) -> None:
-    """The adapters alone, in peft's format (adapter_config.json, adapter_model.safetensors)."""
-    from peft import get_peft_model_state_dict
+    """The adapters alone, in peft's format (adapter_config.json, adapter_model.safetensors),
+    named as peft names the adapters of the model raydp_train built."""
+    from peft import LoraConfig
     from safetensors.torch import save_file
 
+    adapters = {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+    first = next(iter(adapters.values()))
+    state = {}
+    for name, module in adapters.items():
+        state[f"{name}.lora_A.weight"] = module.lora_A.detach().cpu().contiguous()
+        state[f"{name}.lora_B.weight"] = module.lora_B.detach().cpu().contiguous()
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
     save_file(state, folder / "adapter_model.safetensors")
-    model.peft_config["default"].save_pretrained(folder)
+    rank = first.lora_A.shape[0]
+    LoraConfig(r=rank, lora_alpha=first.scaling * rank, bias="none",
+               target_modules=list(adapters)).save_pretrained(folder)

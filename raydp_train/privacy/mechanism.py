@@ -151,8 +151,8 @@ class LowRankSparse(Mechanism):
 
 @register_mechanism
 class LowRankAdapters(Mechanism):
-    """DP-LoRA (Yu et al. 2022): peft's adapters on chosen Linear layers, base weights frozen;
-    the adapters (plain Linear layers) are clipped and noised as DP-SGD clips and noises
+    """DP-LoRA (Yu et al. 2022): adapters on chosen Linear layers, base weights frozen; the
+    adapters are clipped (their own rule) and noised as DP-SGD clips and noises
     (ARCHITECTURE.md §2.9). Released: the merged model, and the adapters alone."""
 
     name, label = "lora", "DP-LoRA"
