@@ -83,6 +83,34 @@ def test_adapter_clipped_sums_equal_a_naive_loop(lengths, tokens):
         torch.set_default_dtype(torch.float32)
 
 
+class SharedLayer(torch.nn.Module):
+    """One Linear applied twice (to two halves of each example), then a head: an adapted
+    layer called more than once per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.head = torch.nn.Linear(6, 5), torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        first, second = x.chunk(2, dim=1)
+        return self.head(torch.cat([self.shared(first).tanh(), self.shared(second)], 1))
+
+
+def test_an_adapter_called_twice_sums_both_calls_as_a_naive_loop(float64):
+    torch.manual_seed(0)
+    model = SharedLayer()
+    _, clipper = attached(model, 1.0, rank=2, alpha=3.0, layers=["shared"])
+    torch.nn.init.normal_(model.shared.lora_B, std=0.5)  # else A's gradient is 0
+    inputs, labels = torch.randn(BATCH, 12), torch.randint(0, 3, (BATCH,))
+    expected, norms, clip_norm = naive_clipped_sum(model, example_losses, inputs, labels)
+    clipper.clip_norm = clip_norm
+    stats = clipper.accumulate(example_losses, model, inputs, labels)
+    torch.testing.assert_close(stats.norms, norms, rtol=1e-9, atol=1e-12)
+    got = engine_sum_in_parameter_order(model, clipper)
+    assert torch.linalg.norm(got - expected) / torch.linalg.norm(expected) < 1e-9
+    clipper.close()
+
+
 def digits(**lora):
     return pipeline_from_dict({
         "name": "digits", "data": {"source": "sklearn_digits"},
