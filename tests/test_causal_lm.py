@@ -171,3 +171,26 @@ def test_a_causal_lm_reports_loss_and_perplexity_instead_of_accuracy():
     table = metrics_table({"metrics": [{"epoch": 1, "steps": 2, "steps_charged": 2,
                                         "train_loss": 2.5, "epsilon": 1.0, **row}]})
     assert "test_perplexity" in table and "test_accuracy" not in table
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize(("kind", "layers"), [("gpt2", ["*c_attn", "*mlp.c_proj"]),
+                                              ("llama", ["*q_proj", "*down_proj"])])
+def test_lora_on_a_decoder_matches_naive_loop_and_merges(kind, layers):
+    """DP-LoRA on GPT-2's transposed Conv1D projections (its tied embedding / LM head still
+    trained, clipped as one) and on Llama's Linear projections."""
+    from raydp_train.config.pipeline import LoraConfig
+    from raydp_train.privacy.lora import LoraLinear, add_adapters, merged
+
+    model = tiny_causal_lm(kind)
+    adapted = add_adapters(model, LoraConfig(rank=2, alpha=4.0, layers=layers), seed=0)
+    assert len(adapted) == 4  # 2 layers x 2 patterns
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            torch.nn.init.normal_(module.lora_B, std=0.5)  # B starts at 0: A's gradient too
+    inputs = padded_tokens(*LAYOUTS["padded"], VOCAB)
+    assert_exact_clipping_all_and_none(model, causal_lm_loss("sum"), inputs, NORM_RTOL[kind])
+    # The merged model is the architecture built, computing the same function.
+    plain = merged(model)
+    assert not any(isinstance(m, LoraLinear) for m in plain.modules())
+    torch.testing.assert_close(plain(inputs), model(inputs), rtol=1e-9, atol=1e-9)

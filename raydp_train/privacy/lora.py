@@ -1,5 +1,5 @@
 """DP-LoRA (ARCHITECTURE.md §2.9; Yu et al. 2022): a low-rank adapter on each chosen Linear
-layer, its base weight frozen. `LoraLinear` folds the adapter into the layer's one matmul,
+layer (or GPT-2 Conv1D), its base weight frozen. `LoraLinear` folds the adapter into the layer's one matmul,
 y = x (W + s B A)^T + b with s = alpha / r, and `LoraRule` forms A's and B's per-example
 gradients from the layer's input and output gradient through rank-r products, in the same
 one backward as every other trained parameter's; noise and accounting are DP-SGD's. Saved
@@ -30,22 +30,35 @@ class LoraSetupError(UserError, ValueError):
     """The pipeline's privacy.lora settings do not fit the model; the message names the field."""
 
 
-class LoraLinear(nn.Module):
-    """A frozen `base_layer` (nn.Linear) plus a rank-r update: A [r, in] drawn as nn.Linear
-    draws its weights, B [out, r] = 0, so the layer starts as the base layer."""
+# GPT-2's projections: y = x W + b with W stored [in, out] (named, so torch alone suffices).
+TRANSPOSED_LINEAR = "transformers.pytorch_utils.Conv1D"
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator):
+
+def _transposed(layer: nn.Module) -> bool:
+    return f"{type(layer).__module__}.{type(layer).__qualname__}" == TRANSPOSED_LINEAR
+
+
+class LoraLinear(nn.Module):
+    """A frozen `base_layer` (nn.Linear, or GPT-2's transposed Conv1D) plus a rank-r update:
+    A [r, in] drawn as nn.Linear draws its weights, B [out, r] = 0, so the layer starts as the
+    base layer."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, generator: torch.Generator):
         super().__init__()
         self.base_layer = base.requires_grad_(False)
         self.scaling = alpha / rank
         weight = base.weight
-        bound = 1.0 / math.sqrt(base.in_features)  # kaiming_uniform(a=sqrt(5)), as nn.Linear
-        a = torch.rand(rank, base.in_features, generator=generator, dtype=weight.dtype)
+        out_features, in_features = weight.t().shape if _transposed(base) else weight.shape
+        bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform(a=sqrt(5)), as nn.Linear
+        a = torch.rand(rank, in_features, generator=generator, dtype=weight.dtype)
         self.lora_A = nn.Parameter((2 * a - 1).mul_(bound).to(weight.device))
-        self.lora_B = nn.Parameter(weight.new_zeros(base.out_features, rank))
+        self.lora_B = nn.Parameter(weight.new_zeros(out_features, rank))
 
     def merged_weight(self) -> Tensor:
-        return self.base_layer.weight + self.scaling * (self.lora_B @ self.lora_A)
+        """W + s B A, [out, in]."""
+        weight = self.base_layer.weight
+        weight = weight.t() if _transposed(self.base_layer) else weight
+        return weight + self.scaling * (self.lora_B @ self.lora_A)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.merged_weight(), self.base_layer.bias)
@@ -97,9 +110,9 @@ def add_adapters(model: nn.Module, settings, seed: int) -> list[str]:
 def adapted_layers(model: nn.Module, settings) -> list[str]:
     """Trainable Linear layers named by `settings.layers`, or with min(in, out) > rank."""
     linear = {name: m for name, m in model.named_modules()
-              if type(m) is nn.Linear and m.weight.requires_grad}
+              if (type(m) is nn.Linear or _transposed(m)) and m.weight.requires_grad}
     if settings.layers is None:
-        chosen = [n for n, m in linear.items() if min(m.in_features, m.out_features) > settings.rank]
+        chosen = [n for n, m in linear.items() if min(m.weight.shape) > settings.rank]
         if not chosen:
             raise LoraSetupError(f"privacy.lora.rank: no trainable Linear layer has min(in, out) "
                                  f"> {settings.rank}; lower the rank or name privacy.lora.layers")
@@ -118,9 +131,9 @@ def merged(model: nn.Module) -> nn.Module:
     plain = deepcopy(model)
     for name, module in list(plain.named_modules()):
         if isinstance(module, LoraLinear):
-            layer = module.base_layer
+            layer, weight = module.base_layer, module.merged_weight()
             with torch.no_grad():
-                layer.weight.copy_(module.merged_weight())
+                layer.weight.copy_(weight.t() if _transposed(layer) else weight)
             owner, _, attribute = name.rpartition(".")
             setattr(plain.get_submodule(owner), attribute, layer)
     return plain
