@@ -6,7 +6,8 @@ and training sections and `data.max_length`, the model folder's files (names, si
 change; `config.json`'s bytes), the installed torch and transformers, and raydp_train's own
 source files. Any change to one of them is a new key, so the check runs again. Only passes are
 remembered, only for a model in a local folder (a hub name's files may change unseen), and
-only by `validate`: `run` checks everything every time, before anything is spent.
+only `validate` skips a remembered check: `run` checks everything every time, before anything
+is spent, and remembers that the model's part passed.
 
 Kept in `$RAYDP_TRAIN_CACHE/passed_checks` (default `$XDG_CACHE_HOME/raydp_train`, else
 `~/.cache/raydp_train`); deleting the folder forgets every pass. A folder that cannot be written only makes `validate` slower.

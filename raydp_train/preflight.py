@@ -41,6 +41,10 @@ def check_pipeline(pipeline: Pipeline, for_training: bool = True) -> tuple[Datas
     dataset, plan = checks.check_data_and_plan(pipeline, for_training)
     model = checks.check_model(pipeline, dataset.feature_shape, dataset.num_classes, for_training)
     checks.check_schedule(model, pipeline, plan.steps)
+    if _is_text(pipeline):  # validate's model check is a part of these: it may be skipped next
+        from raydp_train.passed_checks import remember_pass
+
+        remember_pass(pipeline)
     return dataset, plan
 
 

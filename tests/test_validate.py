@@ -309,6 +309,14 @@ def test_a_passed_model_check_is_remembered_until_what_it_read_changes(tmp_path,
     assert [o for _, o in outcomes[:4]] == ["passed"] * 4
     assert all(o.startswith("HFModelError: model.trainable") for _, o in outcomes[4:])
     assert checks([]) == [(0, "passed")]  # remembered by a later process too (a new validate)
+    # The in-process checks (run's, a sweep driver's) include validate's model check, and
+    # remember it too.
+    from raydp_train import preflight
+
+    monkeypatch.setattr(preflight, "_ray_running", lambda: True)  # no fork: checked in process
+    lower = ["privacy.clip_norm=0.25"]
+    preflight.check_pipeline(load_pipeline(path, lower), for_training=False)
+    assert checks(lower) == [(0, "passed")]
     # The model's config changes under the same pipeline: 2 layers, so encoder.layer.5 is gone.
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
