@@ -28,6 +28,7 @@ import numpy as np
 
 from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
 from raydp_train.config.sweep import WHOLE_NUMBERS
+from raydp_train.config.training import TrainingSetupError
 from raydp_train.preflight import check_pipeline
 from raydp_train.privacy.budget import Spend
 from raydp_train.privacy.ledger import as_uri
@@ -68,7 +69,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
     config = pipeline.tune
     connect()  # first: text data is tokenized by Ray Data
     dataset, plan = check_pipeline(pipeline)
-    _check_search_space(pipeline)
+    _check_search_space(pipeline, plan)
     refusal = first_refusal(pipeline, plan)
     if refusal:  # a spent budget: no trial, no sweep directory, no best.yaml
         on_line(f"STOPPED before any trial: {refusal}")
@@ -203,7 +204,7 @@ def _progress_printer(on_line, pipeline: Pipeline):
     return ProgressPrinter()
 
 
-def _check_search_space(pipeline: Pipeline) -> None:
+def _check_search_space(pipeline: Pipeline, plan) -> None:
     """Validate the pipeline at every extreme value of every searched field, before any
     budget is touched: a bad bound fails here, naming the field, not in trial 7."""
     base = pipeline.model_dump(mode="json")
@@ -212,6 +213,21 @@ def _check_search_space(pipeline: Pipeline) -> None:
             candidate = pipeline_from_dict(base, [f"{key}={value}"],
                                            source=f"tune.search_space.{key}={value}")
             check_pipeline(candidate, for_training=False)  # data and weights: checked once
+    _check_warmup_fits(pipeline, plan)
+
+
+def _check_warmup_fits(pipeline: Pipeline, plan) -> None:
+    """The most warmup steps a trial can get fit the trial with the fewest steps: searched
+    batch sizes and epochs change the steps, so no one field's extremes show it."""
+    searched = pipeline.tune.search_space.get("training.warmup_steps")
+    warmup = (max(int(v) for v in searched.values()) if searched
+              else pipeline.training.warmup_steps or 0)
+    fewest = min(_trial_plan(pipeline, plan, o).steps for o in _spend_candidates(pipeline))
+    if warmup > fewest:
+        raise TrainingSetupError(
+            f"training.warmup_steps: a trial may get {warmup} warmup steps, but the search's "
+            f"smallest number of epochs at its largest batch size runs only {fewest} steps; "
+            "lower it, or set training.warmup_fraction")
 
 
 def worst_trial_spend(pipeline: Pipeline, plan) -> Spend:
