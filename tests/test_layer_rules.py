@@ -115,4 +115,4 @@ def test_the_refusal_lists_the_registered_layers(toy_rule):
     assert matched.startswith("RMSNorm classes by what they compute")
     assert registered.split(", ") == sorted(
         ["Conv1d", "Conv2d", "ElementwiseScale", "Embedding", "GroupNorm", "LayerNorm",
-         "Linear", "RMSNorm", "transformers.pytorch_utils.Conv1D"])
+         "Linear", "LoraLinear", "RMSNorm", "transformers.pytorch_utils.Conv1D"])

@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-# Importing these registers the built-in rules.
-from raydp_train.privacy import layer_rules, rms_norm_families  # noqa: F401
+# Importing these registers the built-in rules (lora: DP-LoRA's adapter layers).
+from raydp_train.privacy import layer_rules, lora, rms_norm_families  # noqa: F401
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
 from raydp_train.privacy.rule_registry import (
     LayerCalls,
