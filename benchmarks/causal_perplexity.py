@@ -13,17 +13,13 @@ RESULTS.md's section is rewritten after each one.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_runs import ROOT, run_pipeline
 from step_overhead import write_section
 
-ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "sst2_gpt2_causal.yaml"
 RUNS_FILE = Path(__file__).with_name("causal_perplexity.json")
 VARIANTS = {
@@ -34,20 +30,12 @@ TITLE = "## Causal LM on SST-2 sentences: held-out perplexity (benchmarks/causal
 
 
 def run_once(overrides: list[str]) -> dict:
-    load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as output_dir:
-        command = [str(Path(sys.executable).with_name("raydp-train")), "run", str(PIPELINE),
-                   "--set", f"run.output_dir={output_dir}", "--set", "run.seed=0"]
-        command += [x for override in overrides for x in ("--set", override)]
-        started = time.perf_counter()
-        done = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True)
-        wall = time.perf_counter() - started
-        if done.returncode != 0:
-            return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1],
-                    "wall_s": wall, "load": load}
-        (run_dir,) = [d for d in Path(output_dir).iterdir() if d.is_dir()]
-        record = json.loads((run_dir / "record.json").read_text())
-    return {"wall_s": wall, "load": load, "epsilon": record["privacy"].get("epsilon"),
+    run = run_pipeline(PIPELINE, overrides, seed=0)
+    if "error" in run:
+        return run
+    record = run["record"]
+    return {"wall_s": run["wall_s"], "load": run["load"],
+            "epsilon": record["privacy"].get("epsilon"),
             "sigma": record["privacy"].get("noise_multiplier"),
             "perplexity": [m["test_perplexity"] for m in record["metrics"]],
             "loss": [m["test_loss"] for m in record["metrics"]]}

@@ -14,7 +14,6 @@ engine is first checked against the plain summed gradient.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ from step_overhead import (
     LEARNING_RATE,
     NOISE_MULTIPLIER,
     Workload,
+    check_engine,
     machine_facts,
     table,
     time_variants,
@@ -123,24 +123,10 @@ def opacus_variant(mode: str):
     return build
 
 
-def check_engine(workload: Workload) -> float:
-    """Relative error of our clipped sum (no clipping in effect) vs the plain gradient of the
-    summed per-sequence losses."""
-    reference = copy.deepcopy(workload.model).eval()  # eval: dropout off, both runs identical
-    LOSS(reference, workload.features, workload.labels).sum().backward()
-    model = copy.deepcopy(workload.model).eval()
-    clipper = PerExampleClipper(model, clip_norm=1e12)
-    clipper.accumulate(lambda: LOSS(model, workload.features, workload.labels))
-    clipper.close()
-    ours_sum = torch.cat([p.grad.flatten() for p in model.parameters()])
-    expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
-    return ((ours_sum - expected).norm() / expected.norm()).item()
-
-
 def main() -> None:
     torch.set_num_threads(2)
     workload = llama_workload()
-    error = check_engine(workload)
+    error = check_engine(workload, LOSS)
     print(f"engine check: relative error {error:.2e}", flush=True)
     assert error < 1e-4, "our engine disagrees with the plain gradient: not benchmarking it"
     times, contention = time_variants(

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_runs import ROOT, run_pipeline
 from step_overhead import write_section
 
-ROOT = Path(__file__).resolve().parents[1]
 RUNS_FILE = Path(__file__).with_name("sst2_accuracy.json")
 EPS3, EPS8 = ["privacy.target_epsilon=3"], ["privacy.target_epsilon=8"]
 SEEDS3, SEED1 = (0, 1, 2), (0,)
@@ -53,22 +49,13 @@ TITLE = "## SST-2 accuracy of the pretrained MiniLM (benchmarks/sst2_accuracy.py
 
 def run_once(pipeline: str, overrides: list[str], seed: int) -> dict:
     """One `raydp-train run`; its record's final numbers, wall time and the load before it."""
-    load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as output_dir:
-        command = [str(Path(sys.executable).with_name("raydp-train")), "run",
-                   str(ROOT / "pipelines" / pipeline), "--set", f"run.output_dir={output_dir}",
-                   "--set", f"run.seed={seed}"]
-        command += [x for override in overrides for x in ("--set", override)]
-        started = time.perf_counter()
-        done = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True)
-        wall = time.perf_counter() - started
-        if done.returncode != 0:
-            return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1],
-                    "wall_s": wall, "seed": seed, "load": load}
-        (run_dir,) = [d for d in Path(output_dir).iterdir() if d.is_dir()]
-        record = json.loads((run_dir / "record.json").read_text())
+    run = run_pipeline(ROOT / "pipelines" / pipeline, overrides, seed)
+    if "error" in run:
+        return {"seed": seed, **run}
+    record = run["record"]
     last = record["metrics"][-1]
-    return {"seed": seed, "wall_s": wall, "load": load, "test_accuracy": last["test_accuracy"],
+    return {"seed": seed, "wall_s": run["wall_s"], "load": run["load"],
+            "test_accuracy": last["test_accuracy"],
             "validation_accuracy": last.get("validation_accuracy"),
             "epsilon": record["privacy"]["epsilon"], "steps": record["privacy"]["steps"],
             "sigma": record["privacy"]["noise_multiplier"],
