@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from raydp_train.config.pipeline import load_pipeline
+
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_runs import ROOT, run_pipeline
 from step_overhead import write_section
@@ -42,16 +44,19 @@ def run_once(overrides: list[str]) -> dict:
 
 
 def section(runs: dict[str, dict]) -> str:
+    pipeline = load_pipeline(str(PIPELINE))
+    training = pipeline.training
     lines = [TITLE, "",
-             ("pipelines/sst2_gpt2_causal.yaml: a GPT-2-style decoder from a config (2 layers, "
-              "128 wide, LM head tied to the token embedding), randomly initialized, learns "
-              "SST-2's 6,920 training sentences as text (48 tokens, all-MiniLM-L6-v2's BERT "
-              "tokenizer) with Adam 1e-3, expected batch 512, 10 epochs, seed 0, 1 Ray Train "
-              "worker on this 2-core machine. Perplexity: exp of the mean next-token "
+             (f"pipelines/{PIPELINE.name}: a GPT-2-style decoder from a config (2 layers, 128 "
+              "wide, LM head tied to the token embedding), randomly initialized, learns "
+              f"SST-2's 6,920 training sentences as text ({pipeline.data.max_length} tokens, "
+              f"all-MiniLM-L6-v2's BERT tokenizer) with {training.optimizer} {training.lr:g}, "
+              f"expected batch {training.batch_size}, {training.epochs} epochs, seed 0, 1 Ray "
+              "Train worker on this 2-core machine. Perplexity: exp of the mean next-token "
               "cross-entropy over every real token of the 1,821 test sentences. *load*: the "
               "1-minute load average before the run."), "",
-             ("| variant | epsilon | sigma | test perplexity by epoch (1, 2, 5, 10) | final "
-             "test loss per token | wall time | load |"),
+             ("| variant | epsilon | sigma | test perplexity by epoch | final test loss per "
+              "token | wall time | load |"),
              "|---|---:|---:|---|---:|---:|---:|"]
     for name in VARIANTS:
         run = runs.get(name)
@@ -60,10 +65,10 @@ def section(runs: dict[str, dict]) -> str:
         if "error" in run:
             lines.append(f"| {name} | failed: {run['error'][:80]} | | | | | |")
             continue
-        shown = [run["perplexity"][i - 1] for i in (1, 2, 5, 10) if i <= len(run["perplexity"])]
         epsilon = "inf" if run["epsilon"] in (None, float("inf")) else f"{run['epsilon']:.2f}"
         sigma = f"{run['sigma']:.3f}" if run["sigma"] else "-"
-        lines.append(f"| {name} | {epsilon} | {sigma} | {', '.join(f'{p:.1f}' for p in shown)} "
+        lines.append(f"| {name} | {epsilon} | {sigma} | "
+                     f"{', '.join(f'{p:.1f}' for p in run['perplexity'])} "
                      f"| {run['loss'][-1]:.3f} | {run['wall_s'] / 60:.1f} min | "
                      f"{run['load']:.1f} |")
     return "\n".join(lines)

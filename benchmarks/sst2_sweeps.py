@@ -71,8 +71,8 @@ def section(result: dict) -> str:
     searched = [k for k in sweep["trials"][0] if k.startswith(("training.", "privacy."))]
     lines = [TITLE, "",
              (f"`raydp-train tune pipelines/{SWEEP}` on a fresh ledger (seed {result['seed']}): "
-              f"random stopping drew {len(sweep['trials'])} trial(s) (mean 3); each trial is 5 "
-              "epochs at an expected batch of 1,024 with sigma 2.788, selected on the public dev "
+              f"random stopping drew {len(sweep['trials'])} trial(s) (mean 3), each with sigma "
+              f"{sweep['privacy']['worst_case_noise_multiplier']}, selected on the public dev "
               f"split. The whole search spent epsilon {sweep['privacy']['epsilon']:.4f} at delta "
               f"{sweep['privacy']['delta']:g} ({sweep['privacy']['accountant'].upper()}); wall "
               f"time {sweep['wall_s'] / 60:.1f} min, load {sweep['load']:.1f} before it."), "",

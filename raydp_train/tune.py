@@ -147,14 +147,16 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
     if pipeline.training.workers == 1:
         account = RunAccount(MemoryCharges(), budget, owner, plan, epsilon_cap(pipeline, plan),
                              ceiling)
-        result = train(pipeline, plan, LocalContext(on_epoch=report, account=account),
-                       dataset=dataset)
+        context = LocalContext(on_epoch=report, account=account,
+                               sharing=pipeline.tune.max_concurrent_trials)
+        result = train(pipeline, plan, context, dataset=dataset)
     else:
         from ray.tune.integration.ray_train import TuneReportCallback
 
         result = fit(pipeline, plan, Path(directory) / "train" / trial_id, on_epoch=lambda r: None,
                      budget=budget, owner=owner, callbacks=[TuneReportCallback()],
-                     dataset=dataset, ceiling=ceiling)
+                     dataset=dataset, ceiling=ceiling,
+                     concurrent_runs=pipeline.tune.max_concurrent_trials)
     if result.steps_done:
         _save_trial_model(Path(directory), trial_id, pipeline, plan, result)
     last = result.metrics[-1] if result.metrics else {"epoch": 0, "validation_accuracy": math.nan}

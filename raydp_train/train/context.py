@@ -27,10 +27,11 @@ class LocalContext:
 
     rank, world_size = 0, 1
 
-    def __init__(self, on_epoch=print, account: RunAccount | None = None):
+    def __init__(self, on_epoch=print, account: RunAccount | None = None, sharing: int = 1):
         self.on_epoch = on_epoch
         self.account = account or RunAccount(MemoryCharges())
         self.device = torch.device("cpu")
+        self.sharing = sharing  # training processes on this machine (a sweep's trials)
 
     def dataset_shards(self) -> dict | None:
         """No Ray Data shards: the loop reads its data itself."""
@@ -69,12 +70,15 @@ class RayTrainContext:
     """One rank of a Ray Train worker group (torch.distributed is set up by TorchTrainer)."""
 
     def __init__(self, progress_queue, account: RunAccount, run_dir: str,
-                 splits: tuple[str, ...] = ()):
+                 splits: tuple[str, ...] = (), concurrent_runs: int = 1):
         import ray.train
         import ray.train.torch
 
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
+        # The training processes on this machine: this run's workers here, times the runs
+        # (a sweep's trials) that may run beside it.
+        self.sharing = context.get_local_world_size() * concurrent_runs
         self.device = ray.train.torch.get_device()
         self.progress_queue, self.account, self.run_dir = progress_queue, account, run_dir
         self.splits = splits

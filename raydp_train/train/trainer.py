@@ -64,6 +64,7 @@ def fit(
     callbacks: list | None = None,
     dataset=None,
     ceiling: Charged | None = None,
+    concurrent_runs: int = 1,
 ) -> TrainResult:
     """Train on Ray Train with `training.workers` workers; resumes if `run_dir` has a checkpoint.
 
@@ -73,6 +74,7 @@ def fit(
     `dataset`, the driver's checked summary, then gives only their shape); any other
     `dataset` (loaded, e.g. split in memory, by the driver) through the object store.
     `fail_at_step` makes the last rank raise once at that step (tests of restarts).
+    `concurrent_runs`: how many runs (a sweep's trials) may share the machines with this one.
     """
     run_dir = Path(run_dir).resolve()
     for name, value in TRAIN_SETTINGS.items():  # a user's own value wins
@@ -88,6 +90,7 @@ def fit(
         "budget": budget,
         "owner": owner or run_dir.name,
         "ceiling": ceiling,
+        "concurrent_runs": concurrent_runs,
         **_data_for_workers(pipeline, dataset, splits),
     }
     shards = splits is not None
@@ -188,7 +191,8 @@ def _train_loop_per_worker(config: dict) -> TrainResult:
     plan = PrivacyPlan(**config["plan"])
     account = RunAccount(ChargeLedger(config["run_dir"]), config["budget"], config["owner"], plan,
                          epsilon_cap(pipeline, plan), config["ceiling"])
-    context = RayTrainContext(config["progress"], account, config["run_dir"], config["splits"])
+    context = RayTrainContext(config["progress"], account, config["run_dir"], config["splits"],
+                              config["concurrent_runs"])
     dataset = None if config["dataset"] is None else ray.get(config["dataset"])
     result = train(pipeline, plan, context, config["fail_at_step"], dataset, config["data_shape"])
     result.model = result.model.cpu()

@@ -25,6 +25,7 @@ from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
 from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
 from raydp_train.train.step import cross_entropy_loss, private_step
+from raydp_train.train.threads import use_threads
 
 
 @dataclass
@@ -49,6 +50,7 @@ class TrainResult:
     shard_sizes: list[int] = field(default_factory=list)  # training rows each rank held
     peak_rss_mb: list[float] = field(default_factory=list)  # each rank's, at the end
     data_mb: list[float] = field(default_factory=list)  # each rank's resident data, read
+    threads: list[int] = field(default_factory=list)  # each rank's torch threads
 
 
 def _mechanism(pipeline, context) -> Mechanism:
@@ -76,6 +78,7 @@ def train(
     """
     rank = context.rank
     seed, training = pipeline.run.seed, pipeline.training
+    threads = use_threads(training.threads_per_worker, context.sharing)
     before = resident_mb()
     local = _local_rows(pipeline, context, dataset, data_shape)
     data_mb = resident_mb() - before  # what holding this rank's rows costs
@@ -97,7 +100,8 @@ def train(
     result = TrainResult(model=model, noise_mode=noise_mode,
                          baselines={} if causal else _baselines(local, context),
                          shard_sizes=context.gather(local.num_train),
-                         data_mb=context.gather(round(data_mb, 1)))
+                         data_mb=context.gather(round(data_mb, 1)),
+                         threads=context.gather(threads))
     step, first_epoch = 0, 1
     state = context.restore()
     if state is not None:
