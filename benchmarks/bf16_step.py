@@ -102,7 +102,7 @@ def section(description: str, timing: list[str], agreement: list[str]) -> str:
         *agreement, "",
         ("An example's decision can differ only when its norm lies within bf16's rounding of C "
          "(the largest difference above). A fine-tuned transformer's per-example norms are "
-         "packed tightly (every norm here within about 12% of the median), so at a C inside "
+         "packed tightly (every norm here within 13% of the median), so at a C inside "
          "that band a few examples in a hundred sit that close to it: the floor of the "
          "comparison, whatever the engine does. At the shipped pipelines' C, below every "
          "norm, all decisions agree."),
