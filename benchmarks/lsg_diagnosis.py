@@ -90,7 +90,9 @@ def run_variant(path: str, overrides: list[str], args, dataset: Dataset) -> dict
     pipeline = load_pipeline(path, [
         f"training.epochs={args.epochs}", "data.validation=null", "run.seed=0",
         "training.cache_frozen_prefix=true", f"privacy.target_epsilon={args.epsilon}",
-        f"training.batch_size={args.batch}", *overrides, *args.set])
+        f"training.batch_size={args.batch}",
+        f"training.threads_per_worker={os.environ.get('THREADS', 'auto')}", *overrides,
+        *args.set])
     plan = make_plan(pipeline, dataset.num_train)
     torch.manual_seed(0)
     reference = build_model(pipeline.model, dataset.feature_shape, dataset.num_classes)
@@ -120,7 +122,7 @@ def main() -> None:
                         help="names (or unique prefixes) of VARIANTS")
     args = parser.parse_args()
     os.chdir(ROOT)
-    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))  # tokenizing; the loop sets its own
     pipeline = load_pipeline(LSG)
     features, labels = tokenized(pipeline, pipeline.data.path, args.rows)
     dev_features, dev_labels = tokenized(pipeline, pipeline.data.validation.path, 10_000)

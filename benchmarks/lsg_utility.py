@@ -68,8 +68,9 @@ def mean(values) -> float:
 
 def main() -> None:
     torch.set_num_threads(2)
-    dpsgd = load_pipeline(ROOT / "pipelines" / "digits_dpsgd.yaml", ["training.workers=1"])
-    lsg = load_pipeline(ROOT / "pipelines" / "digits_lsg.yaml", ["training.workers=1"])
+    in_process = ["training.workers=1", "training.threads_per_worker=2"]  # as the baseline
+    dpsgd = load_pipeline(ROOT / "pipelines" / "digits_dpsgd.yaml", in_process)
+    lsg = load_pipeline(ROOT / "pipelines" / "digits_lsg.yaml", in_process)
     plan = make_plan(dpsgd, load_data(dpsgd.data).num_train)
     rows = []
     base = [non_private(dpsgd, plan.steps, s) for s in SEEDS]
