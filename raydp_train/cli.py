@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                 "--resume", metavar="RUN_DIR",
                 help="continue an interrupted run of the same pipeline from its last checkpoint",
             )
+        if name == "validate":
+            command.add_argument("--check-model", action="store_true", help=(
+                "also build a pretrained model (no weights) and check what trains: seconds more"))
         if name == "audit":
             command.add_argument("--trials", type=int, default=100, metavar="N",
                                  help="training runs with the canary, and as many without "
@@ -136,7 +139,7 @@ def _prepare(args):
 
         connect(args.address, pipeline.training, max(4, pipeline.training.workers + 2),
                 args.verbose)
-    dataset, plan = check_pipeline(pipeline, for_training)
+    dataset, plan = check_pipeline(pipeline, for_training, getattr(args, "check_model", True))
     return pipeline, dataset, plan
 
 
@@ -144,7 +147,7 @@ def validate(args) -> int:
     pipeline, dataset, plan = _prepare(args)  # first: it forks before torch is imported
     from raydp_train.validate import print_validation
 
-    return 0 if print_validation(pipeline, dataset, plan) else EXIT_BUDGET_EXHAUSTED
+    return 0 if print_validation(pipeline, dataset, plan, args.check_model) else EXIT_BUDGET_EXHAUSTED
 
 
 def run(args) -> int:

@@ -8,6 +8,7 @@ torch or transformers, so that `validate` and the driver stay light (hf.py build
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from raydp_train.errors import UserError
@@ -83,3 +84,34 @@ def check_tokenizer(config) -> None:
     except Exception as error:
         raise HFModelError(f"model.name_or_path: cannot read the tokenizer "
                            f"{(folder / 'tokenizer.json').absolute()}: {error}") from error
+
+
+# What `from_pretrained` reads a PyTorch checkpoint's weights from (one file or shards).
+WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
+def check_model_files(config) -> None:
+    """What validate checks of a pretrained model without building it (no torch): its
+    `config.json` reads and names a model type, its weights are there, and
+    `model.trainable.last_k_layers` fits its layers. A hub name is left to `run`."""
+    folder = local_folder(config)
+    if folder is None or config.config is not None:  # from the hub, or random from `config`
+        return
+    path = (folder / "config.json").absolute()
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise HFModelError(f"model.name_or_path: cannot read {path}: {error}") from error
+    if not isinstance(settings, dict) or "model_type" not in settings:
+        raise HFModelError(f"model.name_or_path: {path} names no model_type; is it a "
+                           "Hugging Face model's config?")
+    if not any((folder / name).is_file() for name in WEIGHTS_FILES):
+        raise HFModelError(f"model.name_or_path: {folder.absolute()} holds no PyTorch weights "
+                           f"(none of {', '.join(WEIGHTS_FILES)})")
+    layers = next((settings[key] for key in ("num_hidden_layers", "n_layer", "num_layers")
+                   if isinstance(settings.get(key), int)), None)
+    wanted = getattr(config.trainable, "last_k_layers", None)
+    if layers is not None and wanted is not None and wanted > layers:
+        raise HFModelError(f"model.trainable.last_k_layers: the model has {layers} layers, "
+                           f"got {wanted}")

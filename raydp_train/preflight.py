@@ -1,9 +1,10 @@
 """Every check that can fail on bad input, run BEFORE any budget is reserved or any noisy
-gradient released (the checks themselves: checks.py). For `validate` of a text model, the
-model's checks (seconds of importing torch and transformers) start in a forked process on the
-other core before this process imports what checking the data and the plan needs, so the two
-halves import and run side by side, unless this model's checks passed before (passed_checks);
-this module itself imports nothing heavy."""
+gradient released (the checks themselves: checks.py). `validate` of a text model checks its
+files, not its structure: building it means seconds of importing torch and transformers, which
+`run` always spends and `validate --check-model` asks for. Then the model's checks start in a
+forked process on the other core before this process imports what checking the data and the
+plan needs, so the two halves import and run side by side, unless this model's checks passed
+before (passed_checks); this module itself imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -19,14 +20,16 @@ if TYPE_CHECKING:
     from raydp_train.plan import PrivacyPlan
 
 
-def check_pipeline(pipeline: Pipeline, for_training: bool = True) -> tuple[Dataset, PrivacyPlan]:
+def check_pipeline(pipeline: Pipeline, for_training: bool = True,
+                   build_model: bool = True) -> tuple[Dataset, PrivacyPlan]:
     """The data and the plan, once every check passed. `for_training=False` (validate) makes
     the same checks on names, shapes and types only: text is not tokenized (so Ray is not
-    started) and a pretrained model is built on the meta device, its weights never read; a
-    data error is still reported before a model error."""
+    started) and a pretrained model is built on the meta device, its weights never read, or,
+    with `build_model=False`, only its files are checked; a data error is still reported
+    before a model error."""
     # Never fork a process that runs Ray's threads (a sweep's driver checks its candidates here).
     if not for_training and _is_text(pipeline) and not _ray_running():
-        with _model_check(pipeline) as model_checked:
+        with _model_check(pipeline, build_model) as model_checked:
             from raydp_train import checks
 
             checks.check_tokenizer(pipeline, for_training=False)
@@ -61,7 +64,16 @@ def _ray_running() -> bool:
     return ray is not None and ray.is_initialized()
 
 
-def _model_check(pipeline: Pipeline) -> _forked | _passed:
+def structure_checked(pipeline: Pipeline, build_model: bool) -> bool:
+    """Whether check_pipeline(for_training=False, build_model) checked the model's structure
+    (after it passed): always, but for a text model that validate did not build and that did
+    not pass before."""
+    from raydp_train.passed_checks import passed_before
+
+    return build_model or not _is_text(pipeline) or _ray_running() or passed_before(pipeline)
+
+
+def _model_check(pipeline: Pipeline, build_model: bool) -> _forked | _passed | _files_only:
     from raydp_train.hf_files import HFModelError
     from raydp_train.passed_checks import passed_before
 
@@ -70,6 +82,8 @@ def _model_check(pipeline: Pipeline) -> _forked | _passed:
             return _passed()
     except HFModelError:
         pass  # a model folder that is not one: check_tokenizer names it
+    if not build_model:
+        return _files_only(pipeline)
     return _forked(_check_text_model, pipeline)
 
 
@@ -90,6 +104,24 @@ class _passed:
 
     def result(self) -> None:
         pass
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+
+class _files_only:
+    """The model's files, checked when the data's checks passed (their error comes first)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+
+    def __enter__(self) -> Self:
+        return self
+
+    def result(self) -> None:
+        from raydp_train.hf_files import check_model_files
+
+        check_model_files(self._pipeline.model)
 
     def __exit__(self, *exc_info) -> None:
         pass

@@ -11,10 +11,17 @@ from raydp_train.privacy.budget import BudgetBook, Spend
 from raydp_train.privacy.ledger import as_uri
 
 
-def print_validation(pipeline: Pipeline, dataset, plan: PrivacyPlan) -> bool:
-    """Print the plan and the spending; False when the budget cannot pay for it."""
+def print_validation(pipeline: Pipeline, dataset, plan: PrivacyPlan,
+                     model_built: bool = True) -> bool:
+    """Print the plan and the spending; False when the budget cannot pay for it.
+    `model_built`: whether preflight was asked to build the model."""
+    from raydp_train.preflight import structure_checked
+
     print(dump_pipeline(pipeline), end="")
     print("---")
+    if not structure_checked(pipeline, model_built):
+        print("model structure         files checked; what trains is checked by `run` before "
+              "anything is spent, or now by `validate --check-model` (seconds)")
     print(f"training examples N     {plan.num_examples} (test {len(dataset.test_labels)})")
     print(f"sampling rate q         {plan.sampling_rate:.6g} (expected batch {plan.expected_batch_size})")
     print(f"steps                   {plan.steps}")

@@ -142,27 +142,75 @@ def test_validate_checks_a_pretrained_text_pipeline_without_ray_or_weights(tmp_p
     elsewhere = tmp_path / "elsewhere"  # the data path resolves against the pipeline's folder
     elsewhere.mkdir()
 
-    def validate(*overrides: str):
-        return subprocess.run([sys.executable, "-c", TRAPPED_VALIDATE, pipeline, *overrides],
+    def validate(*arguments: str):
+        return subprocess.run([sys.executable, "-c", TRAPPED_VALIDATE, pipeline, *arguments],
                               cwd=elsewhere, capture_output=True, text=True, timeout=300,
                               check=False)
 
     done = validate()
     assert done.returncode == 0, done.stderr
     assert "training examples N     48 (test 12)" in done.stdout
-    # The model's structure is still checked (built on the meta device from config.json).
-    refused = validate("--set", "model.trainable=[nope.*]")
+    # Without --check-model the model's files are checked, not its structure, and it says so.
+    assert "model structure         files checked" in done.stdout
+    refused = validate("--set", "model.trainable.last_k_layers=7")
+    assert refused.returncode == 2
+    assert "model.trainable.last_k_layers: the model has 6 layers, got 7" in refused.stderr
+    # --check-model builds the structure (on the meta device from config.json), and says
+    # nothing then.
+    done = validate("--check-model")
+    assert done.returncode == 0, done.stderr
+    assert "model structure" not in done.stdout
+    refused = validate("--check-model", "--set", "model.trainable=[nope.*]")
     assert refused.returncode == 2
     assert "model.trainable: patterns ['nope.*'] match no parameter" in refused.stderr
     # Both the data and the model are wrong: the model's check runs in a forked process, but
     # the data's error is the one reported, as in a run.
-    refused = validate("--set", "model.trainable=[nope.*]", "--set", "data.label_column=nope")
+    refused = validate("--check-model", "--set", "model.trainable=[nope.*]",
+                       "--set", "data.label_column=nope")
     assert refused.returncode == 2
     assert "column(s) ['nope'] not in" in refused.stderr and "nope.*" not in refused.stderr
     # Errors found only by building the optimizer come back from the forked process too.
-    refused = validate("--set", "training.param_groups=[{params: [nothing.*], lr: 0.1}]")
+    refused = validate("--check-model",
+                       "--set", "training.param_groups=[{params: [nothing.*], lr: 0.1}]")
     assert refused.returncode == 2, refused.stderr
     assert "training.param_groups" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_validate_without_check_model_imports_neither_torch_nor_transformers(tmp_path):
+    """What makes it fast (benchmarks/RESULTS.md, validate's time): the whole command, the
+    model's file checks included, runs without the two imports that take seconds."""
+    import subprocess
+
+    pipeline = text_pipeline(tmp_path, trainable={"last_k_layers": 1})
+    done = subprocess.run([sys.executable, "-c", WHOLE_VALIDATE, pipeline], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "exit 0, heavy []"
+
+
+def test_the_model_files_are_checked_by_name(tmp_path):
+    import json
+    import shutil
+
+    from raydp_train.config.pipeline import load_pipeline
+    from raydp_train.hf_files import HFModelError, check_model_files, resolve_name_or_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_name_or_path(MINILM), folder)
+    model = load_pipeline(text_pipeline(tmp_path, name_or_path=str(folder)), []).model
+    check_model_files(model)  # the copy is whole
+    (folder / "model.safetensors").rename(folder / "elsewhere.safetensors")
+    with pytest.raises(HFModelError, match=f"{folder} holds no PyTorch weights"):
+        check_model_files(model)
+    (folder / "elsewhere.safetensors").rename(folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(
+        {k: v for k, v in config.items() if k != "model_type"}))
+    with pytest.raises(HFModelError, match=f"{folder}/config.json names no model_type"):
+        check_model_files(model)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(HFModelError, match=f"cannot read {folder}/config.json"):
+        check_model_files(model)
 
 
 class Unpicklable(Exception):
@@ -213,6 +261,18 @@ def test_a_process_running_ray_is_never_forked(tmp_path, monkeypatch):
     pipeline = load_pipeline(text_pipeline(tmp_path))
     dataset, plan = preflight.check_pipeline(pipeline, for_training=False)
     assert plan.num_examples == 48 and dataset.num_train == 48
+
+
+# The whole `validate` command in this process; prints its exit code and which of the slow
+# imports it made.
+WHOLE_VALIDATE = """
+import sys
+from raydp_train.cli import main
+
+code = main(["validate", sys.argv[1]])
+heavy = sorted({"torch", "transformers", "pandas", "ray"} & set(sys.modules))
+print(f"exit {code}, heavy {heavy}")
+"""
 
 
 # validate's own process checks the tokenizer, the data and the plan while the forked child
