@@ -105,6 +105,22 @@ def transformers_model(auto_class: str, config, folder: str | None, load_weights
         return model_class.from_config(hf_config)
 
 
+def check_positions(model: nn.Module, max_length: int) -> None:
+    """A model with a table of absolute positions (BERT, GPT-2) has a row for each of the
+    `max_length` positions (RoBERTa-style models count from after their padding index), or
+    its first forward would fail inside a run; rotary models (Llama) have no such table."""
+    limit = getattr(model.model.config, "max_position_embeddings", None)
+    tokens = model.model.get_input_embeddings()
+    if limit is None or not any(isinstance(m, nn.Embedding) and m.num_embeddings == limit
+                                and m is not tokens for m in model.model.base_model.modules()):
+        return
+    padding_idx = getattr(model, "padding_idx", None)
+    positions = limit - (0 if padding_idx is None else padding_idx + 1)
+    if max_length > positions:
+        raise HFModelError(f"data.max_length: the model has position embeddings for "
+                           f"{positions} tokens, got {max_length}")
+
+
 def set_trainable(model: nn.Module, trainable, unused: set[str]) -> None:
     """`all`, `{last_k_layers: k}` (the head plus the last k encoder layers), or patterns.
     Parameters in `unused` (bypassed by the pooling) are frozen: trained, they would only

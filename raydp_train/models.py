@@ -20,15 +20,18 @@ def build_model(config, feature_shape: tuple[int, ...], num_classes: int,
     """Every layer is one the per-example clipping engine supports (no BatchNorm).
     `load_weights=False`: a pretrained hf model's modules without its weights (validate)."""
     if config.kind == "hf":
-        from raydp_train.hf import build_hf_model
+        from raydp_train.hf import build_hf_model, check_positions
         from raydp_train.hf_causal import build_causal_lm
 
         if len(feature_shape) != 2 or feature_shape[0] != 2:
             raise ModelError("model.kind: 'hf' needs text data (data.text_column), got "
                              f"features of shape {list(feature_shape)}")
         if config.task == "causal_lm":
-            return build_causal_lm(config, load_weights)
-        return build_hf_model(config, num_classes, load_weights)
+            model = build_causal_lm(config, load_weights)
+        else:
+            model = build_hf_model(config, num_classes, load_weights)
+        check_positions(model, feature_shape[1])
+        return model
     if config.kind == "logistic":
         return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(feature_shape), num_classes))
     if config.kind == "mlp":

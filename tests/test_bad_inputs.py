@@ -220,6 +220,12 @@ CASES = {
         "model.name_or_path: folder not found: {data}/no_such_model",)),
     "hf-model-folder-not-a-model": Case((text("text.parquet"), hf("{data}/not_a_model", None)), (
         "model.name_or_path: {data}/not_a_model holds no Hugging Face model",)),
+    "max-length-beyond-the-position-embeddings": Case(
+        (text("text.parquet"), hf(config={**TINY_BERT, "max_position_embeddings": 6})),
+        ("data.max_length: the model has position embeddings for 6 tokens, got 8",)),
+    "last-k-layers-beyond-the-model-validate": Case(
+        (text("text.parquet"), hf(config=None), "model.trainable={last_k_layers: 7}"),
+        ("model.trainable.last_k_layers: the model has 6 layers, got 7",), command="validate"),
     "labels-outside-num-labels": Case((text("text_three_labels.parquet"), hf()), (
         "labels must lie in [0, 1] for 2 classes (model.num_labels)",)),
     "cache-frozen-prefix-of-trainable-embeddings": Case(
