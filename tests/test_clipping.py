@@ -196,6 +196,10 @@ def test_drop_padding_keeps_every_nonzero_row_and_leaves_dense_batches_alone():
     g.zero_()  # no gradient at all: one position is kept, no row
     kept_a, _, rows = drop_padding(a, g)
     assert kept_a.shape[1] == 1 and rows.numel() == 0
+    g = torch.randn(3, 5, 2)
+    g[:, -1] = 0  # a causal LM's: the last position has no next token, every other is in use
+    kept_a, kept_g, rows = drop_padding(a, g)
+    assert kept_a.shape == (3, 4, 4) and torch.equal(kept_g, g[:, :4]) and rows is None
 
 
 def test_conv2d_with_stride_dilation_same_padding_and_groups():

@@ -74,14 +74,17 @@ def drop_padding(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     positions whose gradient is zero in every example are cut from a [B,T,m] and g [B,T,n],
     and the (example, token) pairs left with a nonzero gradient are returned as `rows`
     ([K, 2]) for the clipped sum. A batch whose last position is in use costs one look at
-    g[:, -1] and comes back unchanged, with rows None.
+    g[:, -1] and comes back unchanged, with rows None; so does a batch whose kept positions
+    are all in use (a causal LM's: only the last position, which has no next token, is cut),
+    since gathering every row would only copy them.
     """
     if g.shape[1] == 1 or g[:, -1].any():
         return a, g, None
-    in_use = g.abs().amax(2) != 0  # [B, T]; NaN counts as in use. One cheap pass over g.
+    in_use = (g != 0).any(2)  # [B, T]; NaN counts as in use. One cheap pass over g.
     positions = in_use.any(0).nonzero()
     kept = int(positions[-1]) + 1 if positions.numel() else 1
-    return a[:, :kept], g[:, :kept], in_use[:, :kept].nonzero()
+    in_use = in_use[:, :kept]
+    return a[:, :kept], g[:, :kept], None if in_use.all() else in_use.nonzero()
 
 
 def gram_key(x: Tensor, token_view: tuple, kept_tokens: int) -> tuple:
