@@ -6,13 +6,17 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean
+.PHONY: run test test-fast setup clean
 
 run: $(STAMP)
 	$(BIN)/raydp-train run pipelines/quickstart.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The edit loop: math, schema, ledger, engine; no Ray and no other process (tests/conftest.py).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not ray and not slow and not cluster"
 
 setup: $(STAMP)
 

@@ -70,13 +70,56 @@ def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes:
     from raydp_train.models import build_model
     from raydp_train.privacy.mechanism import make_mechanism
 
-    model = build_model(pipeline.model, feature_shape, num_classes, load_weights=for_training)
-    make_mechanism(pipeline.privacy, torch.Generator()).attach(
-        model, pipeline.privacy.clip_norm).close()
+    # validate's model: on the meta device (shapes only), or randomly initialized for the
+    # self-check, which computes; its weights are never read.
+    weights = "pretrained" if for_training else (
+        "random" if pipeline.privacy.self_check.enabled else "meta")
+    model = build_model(pipeline.model, feature_shape, num_classes, weights)
+    engine = make_mechanism(pipeline.privacy, torch.Generator()).attach(
+        model, pipeline.privacy.clip_norm)
+    try:
+        check_engine(pipeline, model, engine, feature_shape, num_classes)
+    finally:
+        engine.close()
     # These look at the parameters that train, so after the mechanism froze what it freezes.
     if pipeline.training.cache_frozen_prefix:
         FrozenPrefix(model)
     return model
+
+
+def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tuple[int, ...],
+                 num_classes: int) -> None:
+    """privacy.self_check on a random batch of the model's input shape: the engine against
+    one backward pass per example, before any budget is reserved (privacy/self_check.py)."""
+    import torch
+
+    from raydp_train.hf_causal import causal_lm_loss
+    from raydp_train.privacy.clipping import PerExampleClipper
+    from raydp_train.privacy.self_check import SelfCheckError, compare_with_per_example
+    from raydp_train.train.step import AUTOCAST_DTYPES, cross_entropy_loss, in_precision
+
+    settings = pipeline.privacy.self_check
+    if not settings.enabled or not isinstance(engine, PerExampleClipper):
+        return
+    generator = torch.Generator().manual_seed(0)
+    count = settings.examples
+    if pipeline.model.kind == "hf":
+        vocab = model.model.get_input_embeddings().num_embeddings  # the transformers model
+        ids = torch.randint(vocab, (count, feature_shape[-1]), generator=generator)
+        lengths = torch.randint(1, feature_shape[-1] + 1, (count, 1), generator=generator)
+        mask = (torch.arange(feature_shape[-1]) < lengths).long()  # some padding too
+        features = torch.stack([ids * mask, mask], dim=1)
+    else:
+        features = torch.randn(count, *feature_shape, generator=generator)
+    labels = torch.randint(max(num_classes, 1), (count,), generator=generator)
+    causal = getattr(pipeline.model, "task", None) == "causal_lm"
+    loss = causal_lm_loss(pipeline.model.loss_reduction) if causal else cross_entropy_loss
+    precision = pipeline.training.precision
+    report = compare_with_per_example(engine, in_precision(loss, precision, "cpu"),
+                                      (model, features, labels), count,
+                                      AUTOCAST_DTYPES[precision])
+    if not report.passed:
+        raise SelfCheckError(report.message())
 
 
 def check_schedule(model: nn.Module, pipeline: Pipeline, steps: int) -> None:

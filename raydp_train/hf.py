@@ -10,6 +10,7 @@ Where models load from: hf_files.py.
 from __future__ import annotations
 
 import fnmatch
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +23,10 @@ from raydp_train.hf_heads import (
     resolve_pooling,
     unused_by_mean_pooling,
 )
+
+# Where a model's weights come from: the checkpoint, random initialization (the checkpoint's
+# config.json only), or nowhere (modules on the meta device: names, shapes and types).
+Weights = Literal["pretrained", "random", "meta"]
 
 
 class SequenceClassifier(nn.Module):
@@ -56,15 +61,16 @@ class SequenceClassifier(nn.Module):
         return torch.cumsum(not_padding, dim=1) * not_padding + self.padding_idx
 
 
-def build_hf_model(config, num_labels: int, load_weights: bool = True) -> SequenceClassifier:
+def build_hf_model(config, num_labels: int, weights: Weights = "pretrained") -> SequenceClassifier:
     """The classifier of `config` (a pipeline `model` section of kind hf), trainable as asked,
     with the pooling and head initialization of `model.pooling` / `model.head_init`.
 
-    `load_weights=False` (validate) builds the same modules on the meta device from the
-    checkpoint's config alone: names, shapes and layer types, no weights read or allocated."""
+    `weights` "meta" (validate) builds the same modules on the meta device from the
+    checkpoint's config alone: names, shapes and layer types, no weights read or allocated;
+    "random" (validate's self-check) allocates them, randomly initialized, still unread."""
     folder = None if config.config is not None else resolve_name_or_path(config.name_or_path)
     model = transformers_model("AutoModelForSequenceClassification", config, folder,
-                               load_weights, num_labels=num_labels)
+                               weights, num_labels=num_labels)
     if model.config.pad_token_id is None:  # GPT-2 needs it to find each example's last token
         model.config.pad_token_id = 0
     pooling, normalize = resolve_pooling(config, folder)
@@ -78,17 +84,17 @@ def build_hf_model(config, num_labels: int, load_weights: bool = True) -> Sequen
     return SequenceClassifier(model, pooling_head)
 
 
-def transformers_model(auto_class: str, config, folder: str | None, load_weights: bool,
+def transformers_model(auto_class: str, config, folder: str | None, weights: Weights,
                        **options):
     """`auto_class` (a transformers Auto* name) random from `model.config`, pretrained from
-    `folder`, or without weights on the meta device (from the checkpoint's config.json);
-    `options` (num_labels) go to its config."""
+    `folder`, or from the checkpoint's config.json with random weights or none (on the meta
+    device); `options` (num_labels) go to its config."""
     import transformers
 
     model_class = getattr(transformers, auto_class)
     if config.config is not None:  # random initialization, e.g. tiny models in tests
         hf_config = transformers.AutoConfig.for_model(**{**config.config, **options})
-    elif load_weights:
+    elif weights == "pretrained":
         try:
             return model_class.from_pretrained(folder, **options)
         except (OSError, ValueError) as error:
@@ -99,7 +105,7 @@ def transformers_model(auto_class: str, config, folder: str | None, load_weights
         except (OSError, ValueError) as error:
             raise HFModelError(f"model.name_or_path: cannot read the config of {folder!r}: "
                                f"{error}") from error
-    if load_weights:
+    if weights != "meta":
         return model_class.from_config(hf_config)
     with torch.device("meta"):
         return model_class.from_config(hf_config)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from raydp_train.hf import set_trainable, transformers_model
+from raydp_train.hf import Weights, set_trainable, transformers_model
 from raydp_train.hf_files import resolve_name_or_path
 
 IGNORED = -100  # cross_entropy's ignore_index: a position whose next token is padding
@@ -34,11 +34,11 @@ class CausalLM(nn.Module):
                           position_ids=position_ids, use_cache=False).logits
 
 
-def build_causal_lm(config, load_weights: bool = True) -> CausalLM:
+def build_causal_lm(config, weights: Weights = "pretrained") -> CausalLM:
     """The causal LM of `config` (a pipeline `model` section, task causal_lm), trainable as
-    asked. `load_weights=False` (validate): the same modules on the meta device."""
+    asked. `weights` as in hf.build_hf_model ("meta": modules on the meta device)."""
     folder = None if config.config is not None else resolve_name_or_path(config.name_or_path)
-    model = transformers_model("AutoModelForCausalLM", config, folder, load_weights)
+    model = transformers_model("AutoModelForCausalLM", config, folder, weights)
     set_trainable(model, config.trainable, set())
     return CausalLM(model)
 

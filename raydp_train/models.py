@@ -16,9 +16,9 @@ class ModelError(UserError, ValueError):
 
 
 def build_model(config, feature_shape: tuple[int, ...], num_classes: int,
-                load_weights: bool = True) -> nn.Module:
+                weights: str = "pretrained") -> nn.Module:
     """Every layer is one the per-example clipping engine supports (no BatchNorm).
-    `load_weights=False`: a pretrained hf model's modules without its weights (validate)."""
+    `weights` of an hf model: "pretrained", "random" or "meta" (hf.Weights; validate)."""
     if config.kind == "hf":
         from raydp_train.hf import build_hf_model, check_positions
         from raydp_train.hf_causal import build_causal_lm
@@ -27,9 +27,9 @@ def build_model(config, feature_shape: tuple[int, ...], num_classes: int,
             raise ModelError("model.kind: 'hf' needs text data (data.text_column), got "
                              f"features of shape {list(feature_shape)}")
         if config.task == "causal_lm":
-            model = build_causal_lm(config, load_weights)
+            model = build_causal_lm(config, weights)
         else:
-            model = build_hf_model(config, num_classes, load_weights)
+            model = build_hf_model(config, num_classes, weights)
         check_positions(model, feature_shape[1])
         return model
     if config.kind == "logistic":

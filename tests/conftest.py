@@ -1,7 +1,37 @@
-"""One local Ray for the whole test session, started only if a test asks for it."""
+"""One local Ray for the whole test session, started only if a test asks for it; the tiers
+of the suite (`make test-fast` runs neither Ray nor other processes)."""
+
+import inspect
 
 import pytest
 import torch
+
+# A test whose own source (or its module's helpers it names) does one of these starts
+# processes: the CLI in this process (it starts an embedded Ray), a subprocess, a Ray head.
+PROCESS_WORDS = ("subprocess", "Popen", 'main(["run"', "main(['run'", "run_pipeline(",
+                 "ray.init", "start_head", "ray_head")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks `ray` (uses the session's Ray) and `slow` (starts processes) on each test."""
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.ray)
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.slow)
+
+
+def _starts_processes(item) -> bool:
+    function = getattr(item, "function", None)
+    if function is None:
+        return False
+    source = inspect.getsource(function)
+    module = inspect.getmodule(function)
+    helpers = [getattr(module, name) for name in dir(module)
+               if name in source and inspect.isfunction(getattr(module, name))
+               and getattr(module, name) is not function]
+    texts = [source, *(inspect.getsource(helper) for helper in helpers)]
+    return any(word in text for text in texts for word in PROCESS_WORDS)
 
 
 @pytest.fixture(scope="session")

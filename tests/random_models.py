@@ -6,9 +6,13 @@ exact model that failed. Operations: Linear (also called a second time), Conv1d 
 or over the raw axes, Conv2d (stride, padding, dilation, groups), Embedding of token ids,
 LayerNorm / RMSNorm / GroupNorm, activations (in place too), residual adds (in place too),
 padding masks, shared inputs (any register may be read again), branches that never reach the
-loss, frozen parameters, tied weights and functional uses of another layer's weight.
-Functional uses of a trained parameter must be refused; everything else, tied weights
-included, must be exact.
+loss, frozen parameters, shared parameters of every kind (a weight, a bias, a norm's scale, an
+embedding, a kernel; between two layers of one kind, or a Linear's bias as a LayerNorm's),
+forward hooks and pre-hooks that change a layer's input or output, functional uses of another
+layer's weight (F.linear, a custom autograd.Function, a use behind data-dependent control
+flow) and weight_norm re-parametrizations.
+A functional use whose gradient reaches the loss must be refused (otherwise the numbers must be
+exact), a re-parametrized layer always; everything else must be exact.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ class Op:
     module: str | None = None  # module created by this op
     module_source: str | None = None  # its constructor
     uses: tuple[str, ...] = ()  # existing modules this op calls or whose weight it takes
-    refusal: str | None = None  # "functional": refused if the parameter is trained
+    refusal: str | None = None  # "functional" or "reparametrized" (see expected_refusals)
     tied: bool = False  # the new module shares the weight of uses[0] (tied weights)
+    shares: tuple[tuple[str, str], ...] = ()  # (own attribute, uses[0]'s attribute) shared
+    hook: str | None = None  # a hook registered on the module uses[0]
 
 
 @dataclass
@@ -42,7 +48,8 @@ class Program:
     ops: list[Op]
     frozen: frozenset[str] = frozenset()  # "m3.weight", ...
     dropped_from_head: frozenset[int] = frozenset()
-    ties: tuple[tuple[str, str], ...] = ()  # (module.weight = other.weight)
+    # (module, attribute, other, other's attribute): module.attribute = other.attribute
+    ties: tuple[tuple[str, str, str, str], ...] = ()
 
     def module_names(self) -> list[str]:
         return [op.module for op in self.ops if op.module]
@@ -54,19 +61,20 @@ class Program:
         return dangling or written[-1:] or [0]
 
     def expected_refusals(self) -> set[str]:
-        """The refusals a correct engine may give: functional uses of trained weights (a tied
-        weight is frozen under either of its names)."""
+        """The refusals a correct engine may give: functional uses of trained weights (a shared
+        parameter is frozen under either of its names); re-parametrized layers always."""
         frozen = set(self.frozen)
-        for a, b in self.ties:  # one tensor under two names
-            if {f"{a}.weight", f"{b}.weight"} & frozen:
-                frozen |= {f"{a}.weight", f"{b}.weight"}
+        for a, attribute, b, other in self.ties:  # one tensor under two names
+            if {f"{a}.{attribute}", f"{b}.{other}"} & frozen:
+                frozen |= {f"{a}.{attribute}", f"{b}.{other}"}
         refusals = set()
         for op in self.ops:
-            if not op.refusal:
-                continue
-            names = {f"{op.uses[0]}.weight"} | ({f"{op.module}.weight"} if op.module else set())
-            if not names & frozen:
+            if op.refusal == "reparametrized":
                 refusals.add(op.refusal)
+            elif op.refusal:
+                names = {f"{op.uses[0]}.weight"} | ({f"{op.module}.weight"} if op.module else set())
+                if not names & frozen:
+                    refusals.add(op.refusal)
         return refusals
 
     def source(self) -> str:
@@ -75,12 +83,25 @@ class Program:
             "import torch.nn.functional as F",
             "from torch import nn",
             "",
+            "class Matmul(torch.autograd.Function):",
+            "    @staticmethod",
+            "    def forward(ctx, x, w):",
+            "        ctx.save_for_backward(x, w)",
+            "        return x @ w.t()",
+            "",
+            "    @staticmethod",
+            "    def backward(ctx, grad):",
+            "        x, w = ctx.saved_tensors",
+            "        return grad @ w, (grad.transpose(-1, -2) @ x).reshape(-1, *w.shape).sum(0)",
+            "",
             "class Generated(nn.Module):",
             "    def __init__(self):",
             "        super().__init__()",
         ]
         lines += [f"        self.{op.module} = {op.module_source}" for op in self.ops if op.module]
-        lines += [f"        self.{a}.weight = self.{b}.weight" for a, b in self.ties]
+        lines += [f"        self.{a}.{attribute} = self.{b}.{other}"
+                  for a, attribute, b, other in self.ties]
+        lines += [f"        self.{op.uses[0]}.{op.hook}" for op in self.ops if op.hook]
         head_width = sum(_numel(self.shapes[r]) for r in self.head_registers())
         lines.append(f"        self.head = nn.Linear({head_width}, {self.num_classes})")
         lines += ["", "    def forward(self, x, ids, mask):", "        r0 = x"]
@@ -121,7 +142,7 @@ class Program:
         return replace(
             self, ops=ops,
             frozen=frozenset(f for f in self.frozen if f.split(".")[0] in modules),
-            ties=tuple((a, b) for a, b in self.ties if a in modules and b in modules),
+            ties=tuple(t for t in self.ties if t[0] in modules and t[2] in modules),
         )
 
 
@@ -178,8 +199,9 @@ def generate(seed: int, max_ops: int = 9) -> Program:
         shapes=builder.shapes, ops=builder.ops, dropped_from_head=dropped,
         ties=tuple(_ties(builder)),
     )
-    params = [f"{op.module}.weight" for op in builder.ops if op.module] + [
-        f"{op.module}.bias" for op in builder.ops if op.module and _has_bias(op.module_source)
+    plain = [op for op in builder.ops if op.module and op.refusal != "reparametrized"]
+    params = [f"{op.module}.weight" for op in plain] + [
+        f"{op.module}.bias" for op in plain if _has_bias(op.module_source)
     ]
     frozen = frozenset(p for p in params if rng.random() < 0.15)
     return replace(program, frozen=frozen)
@@ -192,9 +214,10 @@ def _has_bias(module_source: str) -> bool:
 
 
 def _ties(builder: _Builder):
-    """Occasionally a new Linear's weight is another Linear's (same shape): tied weights."""
-    ties = [op for op in builder.ops if op.tied]
-    return [(op.module, op.uses[0]) for op in ties]
+    """A tied Linear's weight is another Linear's; a sharing layer shares what it says."""
+    ties = [(op.module, "weight", op.uses[0], "weight") for op in builder.ops if op.tied]
+    return ties + [(op.module, own, op.uses[0], other)
+                   for op in builder.ops for own, other in op.shares]
 
 
 def _pick(builder: _Builder, dims: int, prefer_shared: bool = False) -> int:
@@ -215,6 +238,9 @@ def _applicable(builder: _Builder):
         ("activation", True), ("mask", has3), ("add", same_shape), ("to_image", has3),
         ("conv2d", has4), ("group_norm2d", has4), ("flatten", has4),
         ("tied", bool(builder.linears)), ("functional", bool(builder.linears or builder.embeddings)),
+        ("shared", bool(_shareable(builder))), ("shared_bias_as_norm", bool(_biased_linears(builder))),
+        ("hook", bool(_hookable(builder))),
+        ("weight_norm", has3 and builder.rng.random() < 0.1),  # refuses the whole model
     ]
 
 
@@ -431,7 +457,9 @@ def op_tied(builder: _Builder, vocab: int) -> None:
 
 
 def op_functional(builder: _Builder, vocab: int) -> None:
-    """Another layer's weight used outside that layer, e.g. a tied LM head F.linear(h, E)."""
+    """Another layer's weight used outside that layer: a tied LM head F.linear(h, E), the same
+    through a custom autograd.Function, or behind control flow that depends on the micro-batch
+    (the use happens in some micro-batches only)."""
     weights = {**{n: (o, i) for n, (i, o) in builder.linears.items()}, **builder.embeddings}
     name = builder.rng.choice(sorted(weights))
     rows, columns = weights[name]
@@ -440,9 +468,94 @@ def op_functional(builder: _Builder, vocab: int) -> None:
         return
     source = builder.rng.choice(fits)
     out = builder.register((builder.shapes[source][0], rows))
+    use = builder.rng.choice([
+        "F.linear(r{s}, self.{m}.weight)",
+        "Matmul.apply(r{s}, self.{m}.weight)",
+        # The same numbers either way (each example's loss is its own), but the weight gets
+        # a gradient only from micro-batches where the condition holds.
+        ("F.linear(r{s}, self.{m}.weight if bool((ids[:, 0] % 3 == 0).any()) "
+         "else self.{m}.weight.detach())"),
+    ]).format(s=source, m=name)
+    builder.emit(Op(f"r{out} = {use}", reads=(source,), writes=out, uses=(name,),
+                    refusal="functional"))
+    builder.read(source)
+
+
+def _shareable(builder: _Builder) -> list[Op]:
+    return [op for op in builder.ops if op.module and op.writes is not None and not op.tied
+            and not op.refusal and not op.shares]
+
+
+def op_shared(builder: _Builder, vocab: int) -> None:
+    """A second layer built like an existing one, on the same input, sharing its weight, its
+    bias or both (a Linear, a convolution, a norm, an embedding)."""
+    original = builder.rng.choice(_shareable(builder))
+    options = [("weight",)] + ([("bias",), ("weight", "bias")]
+                               if _has_bias(original.module_source) else [])
+    shared = builder.rng.choice(options)
+    name = builder.module_name()
+    out = builder.register(builder.shapes[original.writes], fresh=True)
+    line = original.line.replace(f"r{original.writes} = ", f"r{out} = ", 1)
     builder.emit(Op(
-        f"r{out} = F.linear(r{source}, self.{name}.weight)", reads=(source,), writes=out,
-        uses=(name,), refusal="functional",
+        line.replace(f"self.{original.module}(", f"self.{name}(", 1), reads=original.reads,
+        writes=out, module=name, module_source=original.module_source,
+        uses=(original.module,), shares=tuple((a, a) for a in shared),
+    ))
+    builder.read(*original.reads)
+    _maybe_in_place(builder, out)
+
+
+def _biased_linears(builder: _Builder) -> list[Op]:
+    return [op for op in _shareable(builder)
+            if op.module in builder.linears and "bias=True" in op.module_source]
+
+
+def op_shared_bias_as_norm(builder: _Builder, vocab: int) -> None:
+    """A LayerNorm on a Linear's output whose scale or shift IS the Linear's bias: one
+    parameter under two rules."""
+    linear = builder.rng.choice(_biased_linears(builder))
+    tokens, width = builder.shapes[linear.writes]
+    attribute = builder.rng.choice(["weight", "bias"])
+    name = builder.module_name()
+    out = builder.register((tokens, width), fresh=True)
+    builder.emit(Op(
+        f"r{out} = self.{name}(r{linear.writes})", reads=(linear.writes,), writes=out,
+        module=name, module_source=f"nn.LayerNorm({width})", uses=(linear.module,),
+        shares=((attribute, "bias"),),
+    ))
+    builder.read(linear.writes)
+
+
+def _hookable(builder: _Builder) -> list[Op]:
+    hooked = {op.uses[0] for op in builder.ops if op.hook}
+    return [op for op in builder.ops if op.module and op.refusal is None
+            and op.module not in hooked]
+
+
+def op_hook(builder: _Builder, vocab: int) -> None:
+    """A hook that changes what a layer sees or returns (activation steering)."""
+    target = builder.rng.choice(_hookable(builder))
+    hooks = ["register_forward_hook(lambda module, args, out: out * 3.0)",
+             "register_forward_hook(lambda module, args, out: (out.mul_(-2.0), None)[1])"]
+    if "Embedding" not in target.module_source:
+        hooks.append("register_forward_pre_hook("
+                     "lambda module, args: tuple(a * 2.0 for a in args) or None)")
+    builder.emit(Op("pass  # a hook changes this layer", uses=(target.module,),
+                    hook=builder.rng.choice(hooks)))
+
+
+def op_weight_norm(builder: _Builder, vocab: int) -> None:
+    """A Linear under weight_norm (hook style, or torch.nn.utils.parametrizations')."""
+    source = _pick(builder, 2)
+    tokens, width = builder.shapes[source]
+    out_width = builder.rng.randint(2, 6)
+    wrapper = builder.rng.choice(["torch.nn.utils.weight_norm",
+                                  "torch.nn.utils.parametrizations.weight_norm"])
+    name = builder.module_name()
+    out = builder.register((tokens, out_width))
+    builder.emit(Op(
+        f"r{out} = self.{name}(r{source})", reads=(source,), writes=out, module=name,
+        module_source=f"{wrapper}(nn.Linear({width}, {out_width}))", refusal="reparametrized",
     ))
     builder.read(source)
 
@@ -454,5 +567,7 @@ OPS = {
     "norm": op_norm, "embed": op_embed, "activation": op_activation, "mask": op_mask,
     "add": op_add, "to_image": op_to_image, "conv2d": op_conv2d,
     "group_norm2d": op_group_norm2d, "flatten": op_flatten, "tied": op_tied,
-    "functional": op_functional,
+    "functional": op_functional, "shared": op_shared,
+    "shared_bias_as_norm": op_shared_bias_as_norm, "hook": op_hook,
+    "weight_norm": op_weight_norm,
 }

@@ -135,7 +135,7 @@ def test_last_layers_alone_match_naive_loop():
 
 def test_validate_builds_the_model_without_weights():
     section = pipeline_from_dict(causal_pipeline({"config": DECODERS["llama"]})).model
-    model = build_causal_lm(section, load_weights=False)
+    model = build_causal_lm(section, weights="meta")
     assert all(p.is_meta for p in model.parameters())
 
 

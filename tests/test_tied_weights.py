@@ -80,12 +80,14 @@ def test_embeddings_sharing_a_table_match_naive_loop():
     assert_exact_clipping_all_and_none(model, example_losses, ids)
 
 
-def test_tied_layers_of_an_unsupported_kind_are_refused_by_name():
-    model = nn.ModuleDict({"norm_a": nn.LayerNorm(4), "norm_b": nn.LayerNorm(4)})
-    model["norm_b"].weight = model["norm_a"].weight
+def test_tied_layers_without_a_cross_term_are_refused_by_name():
+    """An embedding's per-example gradient would be dense [B, V, d]: shared with anything but
+    a Linear weight or another embedding, it is refused, naming both modules."""
+    model = nn.ModuleDict({"embed": nn.Embedding(4, 3), "norm": nn.LayerNorm((4, 3))})
+    model["norm"].weight = model["embed"].weight
     with pytest.raises(UnsupportedLayerError,
-                       match=r"'norm_a' \(LayerNorm\) and 'norm_b' \(LayerNorm\) share the "
-                             r"trainable parameter 'norm_a.weight' \(tied weights\)"):
+                       match=r"'embed' \(Embedding\) and 'norm' \(LayerNorm\) share the "
+                             r"trainable parameter 'embed.weight'"):
         PerExampleClipper(model, 1.0)
 
 

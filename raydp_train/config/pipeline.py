@@ -98,6 +98,16 @@ class LoraConfig(Section):
         return value
 
 
+class SelfCheckConfig(Section):
+    """The engine against one backward pass per example, on the run's own model and data
+    (privacy/self_check.py), before the first noisy gradient is released and then on a
+    random fraction of steps."""
+
+    enabled: bool = True
+    examples: int = Field(4, ge=1)  # examples of the micro-batch checked
+    step_fraction: float = Field(0.01, ge=0, le=1)  # later steps checked, at random
+
+
 # Each mechanism's own settings section, named after it (privacy/mechanism.py).
 MECHANISM_SETTINGS = {"lsg": LsgConfig, "lora": LoraConfig}
 
@@ -112,6 +122,7 @@ class PrivacyConfig(Section):
     accountant: Literal["rdp", "pld"] = "rdp"
     lsg: LsgConfig | None = None  # used when mechanism is lsg (defaults if omitted)
     lora: LoraConfig | None = None  # used when mechanism is lora (defaults if omitted)
+    self_check: SelfCheckConfig = SelfCheckConfig()
 
     @model_validator(mode="after")
     def _one_noise_spec(self) -> PrivacyConfig:

@@ -8,6 +8,12 @@ gradient. During the private backward the covered parameters do not require grad
 differentiation"), so autograd computes activation gradients only and the layer rules form
 the norms and the clipped sum from what the hooks kept. Every gradient slot (normally a
 parameter's `.grad`) is a view of one flat buffer, so noise and all-reduce act on one tensor.
+
+Every pass checks that no trained parameter reaches the loss outside its own layer: the
+parameters keep requiring grad, but inside each covered layer's forward the layer sees
+detached aliases of them. Autograd therefore gives a parameter a `.grad` only through a path
+the rules cannot see (a stray functional use, a custom autograd.Function, a hook), whatever
+the model's control flow in that micro-batch; such a pass is refused by name.
 """
 
 from __future__ import annotations
@@ -22,15 +28,18 @@ from torch import Tensor, nn
 
 # Importing these registers the built-in rules (lora: DP-LoRA's adapter layers).
 from raydp_train.privacy import layer_rules, lora, rms_norm_families  # noqa: F401
-from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
-from raydp_train.privacy.rule_registry import (
-    LayerCalls,
-    UnsupportedLayerError,
-    cast_recorded,
-    rule_for,
-    supported_layers,
+from raydp_train.privacy.covered_layers import (
+    BatchDimensionError,
+    check_uniform,
+    covered_layers,
+    own_trainable,
+    refuse_batch_second,
+    refuse_compiled,
+    slot_views,
 )
-from raydp_train.privacy.tied_weights import cross_terms, find_ties
+from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
+from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError, cast_recorded
+from raydp_train.privacy.tied_weights import Tie, find_ties, tie_terms
 
 __all__ = [
     "BatchDimensionError", "MicroBatchStats", "ParameterUseError", "PerExampleClipper",
@@ -38,8 +47,11 @@ __all__ = [
 ]
 
 
-class BatchDimensionError(ValueError):
-    """A layer saw a leading dimension that is not the example dimension."""
+class NormParts(NamedTuple):
+    """What each per-example squared norm was summed from (for the self-check's diagnosis)."""
+
+    layers: dict[nn.Module, Tensor]  # each used layer's own squared norm, [B]
+    ties: list[tuple[Tie, Tensor]]  # each shared parameter's cross terms, [B]
 
 
 class MicroBatchStats(NamedTuple):
@@ -56,17 +68,18 @@ class PerExampleClipper:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         self.model = model
         self.clip_norm = float(clip_norm)
-        _refuse_batch_second(model)
-        self.layers = _covered_layers(model, rules or {})
+        refuse_batch_second(model)
+        refuse_compiled(model)
+        self.layers = covered_layers(model, rules or {})
         self.ties = find_ties(self.layers)
         # A tied parameter is owned by several layers but trained (and slotted) once.
-        owned = {id(p): p for _, module, _ in self.layers for p in _own_trainable(module)}
+        owned = {id(p): p for _, module, _ in self.layers for p in own_trainable(module)}
         self.parameters = list(owned.values())
         if not self.parameters:
             raise ValueError("the model has no trainable parameters")
-        _check_uniform(self.parameters)
+        check_uniform(self.parameters)
         first = self.parameters[0]
-        self.flat_grad, self.slots = _slot_views(self.layers, first)
+        self.flat_grad, self.slots = slot_views(self.layers, first)
         bound = {
             id(module._parameters[name]): (module._parameters[name], view)
             for module, named in self.slots.items()
@@ -74,41 +87,34 @@ class PerExampleClipper:
             if module._parameters.get(name) is not None
         }
         self._bound = list(bound.values())
+        self.last_norm_parts: NormParts | None = None
         self._calls: dict[nn.Module, LayerCalls] = {}
         self._audit = ParameterUseAudit(model, {module: name for name, module, _ in self.layers})
-        self._audited_patterns: set[tuple] = set()
+        self._names = {key: name for key, (_, name) in self._audit.owner_of.items()}
         self._recording = False
+        self._swapped: dict[nn.Module, dict[str, Tensor]] = {}  # real parameters, during forward
         self._ghost_leaf = torch.zeros((), dtype=first.dtype, device=first.device)
         self._ghost_leaf.requires_grad_(True)
-        self._handles = [
-            module.register_forward_hook(self._on_forward, with_kwargs=True)
-            for _, module, _ in self.layers
-        ]
+        self._handles: dict[nn.Module, tuple] = {}
+        for _, module, _ in self.layers:
+            self._hook(module)
 
     # ------------------------------------------------------------------ public
     def accumulate(self, compute_losses: Callable[..., Tensor], *args) -> MicroBatchStats:
         """Run forward + backward of one micro-batch; add its clipped sum to `flat_grad`.
 
         `compute_losses(*args)` runs the model and returns the per-example loss vector [B]
-        (the engine owns the reduction). The first micro-batch, and any later one whose layer
-        calls differ from every audited one, is audited (parameter_uses.py): a trained
-        parameter used outside its layer's forward is refused before anything is summed.
+        (the engine owns the reduction). A trained parameter that reached the loss outside its
+        layer's forward in this pass is refused by name before anything is summed.
         """
-        self.bind_grads()
-        audit = not self._audited_patterns
+        self._keep_hooks_innermost()
         random_state = _random_state()
-        losses = self._forward_backward(compute_losses, args, audit)
-        if not audit and losses.shape[0] and self._call_pattern() not in self._audited_patterns:
-            # The layers were called in a way no audited pass saw: run this one again, audited,
-            # with the same random draws (dropout), so the result is that of a single pass.
-            audit = True
-            _restore_random_state(random_state)
-            losses = self._forward_backward(compute_losses, args, audit)
         try:
+            losses, stray = self._forward_backward(compute_losses, args)
+            if stray:
+                self._refuse_stray_uses(stray, compute_losses, args, random_state)
             if losses.shape[0] == 0:  # an empty micro-batch adds nothing
                 return MicroBatchStats(losses.detach(), losses.detach().clone())
-            if audit:
-                self._audited_patterns.add(self._call_pattern())
             return MicroBatchStats(losses.detach(), self._clip_and_sum(losses.shape[0]))
         finally:
             self._calls = {}
@@ -128,15 +134,75 @@ class PerExampleClipper:
     def num_parameters(self) -> int:
         return self.flat_grad.numel()
 
+    def slot_vector(self, gradients: dict[int, Tensor]) -> Tensor:
+        """One example's gradients (by parameter id; missing: zero) laid out as the flat
+        buffer, in each rule's slots (slots_from_gradients): what its clipped sum would add
+        for that example with a clip factor of 1."""
+        flat = torch.zeros_like(self.flat_grad)
+        for _, module, rule in self.layers:
+            named = {name: gradients.get(id(p), torch.zeros_like(p))
+                     for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+            for slot, value in rule.slots_from_gradients(module, named).items():
+                self.slot_in(flat, module, slot).copy_(value.reshape(self.slots[module][slot].shape))
+        return flat
+
+    def slot_in(self, flat: Tensor, module: nn.Module, slot: str) -> Tensor:
+        """`flat` (laid out as the buffer; [K, P] for K examples) at a module's slot: a view
+        when `flat` is one vector."""
+        view = self.slots[module][slot]
+        start = view.storage_offset() - self.flat_grad.storage_offset()
+        return flat[..., start : start + view.numel()].reshape(*flat.shape[:-1], *view.shape)
+
+    def parameter_name(self, parameter: Tensor) -> str:
+        """The qualified name of a trained parameter (a tied one's first name)."""
+        return self._names[id(parameter)]
+
     def close(self) -> None:
         """Remove the hooks; the model trains normally again."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+        self._handles = {}
 
     # ------------------------------------------------------------------ hooks
+    def _hook(self, module: nn.Module) -> None:
+        """Our pre-hook runs last before the forward (after any pre-hook of the user's that
+        may use the parameters) and our forward hook first after it (before any hook that
+        changes the output: the rules need d loss / d(the layer's own output))."""
+        self._handles[module] = (
+            module.register_forward_pre_hook(self._on_forward_pre),
+            module.register_forward_hook(self._on_forward, with_kwargs=True, prepend=True),
+        )
+
+    def _keep_hooks_innermost(self) -> None:
+        """Hooks registered on a layer after this engine would wrap ours: hook again."""
+        for module, (pre, post) in self._handles.items():
+            if (next(reversed(module._forward_pre_hooks)) != pre.id
+                    or next(iter(module._forward_hooks)) != post.id):
+                pre.remove()
+                post.remove()
+                self._hook(module)
+
+    def _on_forward_pre(self, module: nn.Module, args: tuple) -> None:
+        """Inside its own forward a layer computes with detached parameters (ghost
+        differentiation); everywhere else the parameters still require grad."""
+        if not self._recording or not torch.is_grad_enabled():
+            return
+        own = self._swapped.setdefault(module, {})
+        for name, param in module._parameters.items():
+            if param is not None and param.requires_grad:
+                own[name] = param
+                module._parameters[name] = param.detach()
+
+    def _restore_parameters(self, module: nn.Module) -> None:
+        module._parameters.update(self._swapped.pop(module, {}))
+
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
-        if not self._recording or not isinstance(output, Tensor):
+        self._restore_parameters(module)
+        # Under no_grad (a reentrant checkpoint's first pass) a call adds no gradient; the
+        # checkpoint's recomputation in the backward is recorded instead.
+        recorded = self._recording and torch.is_grad_enabled()
+        if not recorded or not isinstance(output, Tensor):
             return None
         layer_input = _layer_input(module, args, kwargs)
         calls = self._calls.setdefault(module, LayerCalls())
@@ -156,17 +222,18 @@ class PerExampleClipper:
 
         return _hooked_output(output, keep_grad)
 
-    def _forward_backward(self, compute_losses: Callable[..., Tensor], args: tuple,
-                          audit: bool) -> Tensor:
-        """One forward and backward under the hooks; the per-example losses."""
+    def _forward_backward(self, compute_losses: Callable[..., Tensor],
+                          args: tuple) -> tuple[Tensor, list[Tensor]]:
+        """One forward and backward under the hooks: the per-example losses, and the trained
+        parameters that got a gradient outside their layers (stray uses)."""
         self._calls = {}
-        context = self._audited_differentiation() if audit else self._ghost_differentiation()
-        with context:
+        with self._ghost_differentiation():
             losses = compute_losses(*args)
             self._check_losses(losses)
             if losses.shape[0]:
                 self._backward(losses)
-        return losses
+            stray = [p for p in self.parameters if p.grad is not None]
+        return losses, stray
 
     def _backward(self, losses: Tensor) -> None:
         try:
@@ -177,37 +244,38 @@ class PerExampleClipper:
             self._check_inputs_unchanged()
             raise
 
-    def _call_pattern(self) -> tuple:
-        return tuple((id(module), len(calls.inputs)) for module, calls in self._calls.items())
-
     @contextmanager
     def _ghost_differentiation(self) -> Iterator[None]:
         for p in self.parameters:
-            p.requires_grad_(False)
+            p.grad = None  # a stray use's gradient must not add into the flat buffer
         self._recording = True
         try:
             yield
         finally:
             self._recording = False
-            for p in self.parameters:
-                p.requires_grad_(True)
-            self._ghost_leaf.grad = None
-
-    @contextmanager
-    def _audited_differentiation(self) -> Iterator[None]:
-        """The covered parameters keep requiring grad, so the audit sees every differentiable
-        use of them; autograd's own (unclipped) gradients are thrown away afterwards."""
-        for p in self.parameters:
-            p.grad = None  # autograd must not add into the flat buffer
-        self._recording = True
-        try:
-            with self._audit.watching():
-                yield
-        finally:
-            self._recording = False
+            for module in list(self._swapped):  # a forward that raised left them swapped
+                self._restore_parameters(module)
             for p in self.parameters:
                 p.grad = None
+            self._ghost_leaf.grad = None
             self.bind_grads()
+
+    def _refuse_stray_uses(self, stray: list[Tensor], compute_losses: Callable[..., Tensor],
+                           args: tuple, random_state: tuple) -> None:
+        """Run the pass again under the audit (with the same random draws), which names the
+        module and function of a stray use; a use it cannot see (inside a custom
+        autograd.Function, a hook) is refused by the parameter's name."""
+        _restore_random_state(random_state)
+        with self._audit.watching():
+            compute_losses(*args)
+        names = ", ".join(f"'{self.parameter_name(p)}'" for p in stray)
+        raise ParameterUseError(
+            f"trained parameter(s) {names} reached the loss outside their own layer's forward "
+            "(e.g. through a custom torch.autograd.Function, a hook, or a functional use of "
+            "the weight); per-example clipping sees a parameter only where its layer is "
+            "called, so this share would be missing from the clipped gradient. Call the layer "
+            "itself, untie or freeze the parameter"
+        )
 
     # ------------------------------------------------------------------ math
     def _clip_and_sum(self, batch_size: int) -> Tensor:
@@ -219,13 +287,15 @@ class PerExampleClipper:
             return self._clip_and_sum_recorded(used, batch_size)
 
     def _clip_and_sum_recorded(self, used: list, batch_size: int) -> Tensor:
-        squared = self.flat_grad.new_zeros(batch_size)
         gram_cache: dict = {}
-        for _, module, rule in used:
-            slots = self.slots[module]
-            squared = squared + rule.squared_norms(module, self._calls[module], slots, gram_cache)
-        used_calls = {module: self._calls[module] for _, module, _ in used}
-        squared = squared + cross_terms(self.ties, used_calls, squared)
+        parts = {
+            module: rule.squared_norms(module, self._calls[module], self.slots[module], gram_cache)
+            for _, module, rule in used
+        }
+        like = self.flat_grad.new_zeros(batch_size)
+        ties = tie_terms(self.ties, {module: self._calls[module] for module in parts}, like)
+        self.last_norm_parts = NormParts(parts, ties)
+        squared = sum(parts.values(), like) + sum((term for _, term in ties), like)
         # The Gram shortcut <a a^T, G G^T> can cancel to a tiny negative number.
         norms = squared.clamp(min=0).sqrt()
         clip_factors = self.clip_norm / norms.clamp(min=self.clip_norm)
@@ -324,67 +394,3 @@ def _reshapes_whole_base(view: Tensor, base: Tensor) -> bool:
         view.is_contiguous() and base.is_contiguous() and view.numel() == base.numel()
         and view.storage_offset() == base.storage_offset()
     )
-
-
-def _own_trainable(module: nn.Module) -> list[Tensor]:
-    return [p for p in module.parameters(recurse=False) if p.requires_grad]
-
-
-def _refuse_batch_second(model: nn.Module) -> None:
-    """Layers under a module that declares [T, B, ...] inputs would read tokens as examples
-    (undetectable when T == B), so such a module must not hold trained parameters."""
-    for name, module in model.named_modules():
-        if getattr(module, "batch_first", True) is False and any(
-            p.requires_grad for p in module.parameters()
-        ):
-            raise BatchDimensionError(
-                f"module '{name or '<root>'}' ({type(module).__name__}) has batch_first=False: "
-                "per-example clipping needs the example dimension first in every trained "
-                "layer; build it with batch_first=True or freeze it"
-            )
-
-
-def _covered_layers(model: nn.Module, rules: dict) -> list:
-    """(name, module, rule) for every module owning trainable parameters; refuse the rest."""
-    layers = []
-    for name, module in model.named_modules():
-        params = _own_trainable(module)
-        if not params:
-            continue
-        label = name or "<root>"
-        rule = rules.get(module) or rule_for(module)
-        if rule is None:
-            raise UnsupportedLayerError(
-                f"module '{label}' ({type(module).__name__}) owns trainable parameters "
-                f"but per-example clipping has no rule for it; supported: {supported_layers()}. "
-                "Freeze it (requires_grad=False) or replace it"
-            )
-        rule.check(module, label)
-        layers.append((label, module, rule))
-    return layers
-
-
-def _slot_views(layers: list, like: Tensor) -> tuple[Tensor, dict[nn.Module, dict[str, Tensor]]]:
-    """One flat buffer and each module's gradient slots as views of it. The modules of a tied
-    parameter share its one slot, so their rules' clipped sums add up there."""
-    offsets: dict = {}  # a parameter (or a module's non-parameter slot) -> its offset
-    layout, size = [], 0
-    for _, module, rule in layers:
-        for name, shape in rule.slot_shapes(module).items():
-            param = module._parameters.get(name)
-            key = id(param) if param is not None else (id(module), name)
-            if key not in offsets:
-                offsets[key], size = size, size + shape.numel()
-            layout.append((module, name, offsets[key], shape))
-    flat = like.new_zeros(size)
-    slots: dict[nn.Module, dict[str, Tensor]] = {module: {} for _, module, _ in layers}
-    for module, name, offset, shape in layout:
-        slots[module][name] = flat[offset : offset + shape.numel()].view(shape)
-    return flat, slots
-
-
-def _check_uniform(params: list[Tensor]) -> None:
-    kinds = {(p.dtype, p.device) for p in params}
-    if len(kinds) > 1:
-        raise ValueError(f"trainable parameters must share one dtype and device, got {kinds}")
-

@@ -159,6 +159,22 @@ class LinearRule(Rule):
         if "bias" in slots:
             slots["bias"].add_(clip_factors @ calls.state["bias_grads"])
 
+    def per_example_gradient(self, module, calls: LayerCalls, slot: str) -> Tensor | None:
+        """The bias's sum_t G_i[t]; the weight's G_i^T a_i per group, materialized."""
+        if slot == "bias":
+            return calls.state["bias_grads"]
+        a, g = calls.state["a"], calls.state["g"]
+        blocks = [
+            torch.bmm(g_part.transpose(1, 2), a_part) if per_example is None else per_example
+            for (a_part, g_part), per_example in zip(
+                self._group_slices(module, a, g), calls.state["per_example"])
+        ]
+        return self.weight_layout(module, torch.cat(blocks, 1))
+
+    def weight_layout(self, module: nn.Module, grads: Tensor) -> Tensor:
+        """Per-example weight gradients [B, n, m] laid out as the weight is stored."""
+        return grads.reshape(grads.shape[0], *module.weight.shape)
+
     def _group_slices(self, module, a: Tensor, g: Tensor):
         groups = self.groups(module)
         if groups == 1:
@@ -228,6 +244,9 @@ class EmbeddingRule(Rule):
     a T x T token-equality Gram nor a dense V x d per-example gradient is ever formed.
     """
 
+    def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
+        return ("weight",)
+
     def check(self, module: nn.Module, name: str) -> None:
         if module.sparse or module.scale_grad_by_freq:
             raise UnsupportedLayerError(
@@ -281,6 +300,9 @@ class MaterializedRule(Rule):
     def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
         for name, grad in calls.state["per_example"].items():
             slots[name].add_(torch.tensordot(clip_factors, grad, dims=1))
+
+    def per_example_gradient(self, module, calls: LayerCalls, slot: str) -> Tensor | None:
+        return calls.state["per_example"].get(slot)
 
 
 def _sum_to_parameter(values: Tensor, param_dims: int) -> Tensor:
@@ -353,6 +375,10 @@ class GroupNormRule(MaterializedRule):
 class TransposedLinearRule(LinearRule):
     """Hugging Face's GPT-2 `Conv1D`: y = x W + b with W stored [in, out], i.e. a Linear
     whose weight is transposed; the clipped sum is written through the transposed view."""
+
+    def weight_layout(self, module: nn.Module, grads: Tensor) -> Tensor:
+        return grads.transpose(1, 2)
+
     def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
         transposed = {**slots, "weight": slots["weight"].t()} if "weight" in slots else slots
         super().add_clipped_sum(module, calls, clip_factors, transposed)

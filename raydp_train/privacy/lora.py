@@ -72,6 +72,9 @@ class LoraRule(Rule):
 
     _tokens = LinearRule()
 
+    def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
+        return ("lora_A", "lora_B")
+
     def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
         x, g, rows = self._tokens.stacked_tokens(module, calls)
         scaled = g * module.scaling

@@ -83,6 +83,19 @@ class LowRankRule(Rule):
             shapes["bias"] = module.bias.shape
         return shapes
 
+    def slots_from_gradients(self, module: nn.Module,
+                             gradients: dict[str, Tensor]) -> dict[str, Tensor]:
+        """dL = (dW R^T) on kept rows and dR = (L^T dW) on kept columns, from W's gradient."""
+        carriers = self.carriers[module]
+        weight = gradients["weight"].reshape(carriers.left.shape[0], -1)
+        slots = {
+            "carrier_L": (weight @ carriers.right.t()) * carriers.kept_rows.unsqueeze(1),
+            "carrier_R": (carriers.left.t() @ weight) * carriers.kept_columns,
+        }
+        if "bias" in self.slot_shapes(module):
+            slots["bias"] = gradients["bias"]
+        return slots
+
     def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
         carriers = self.carriers[module]
         a, g, rows = self.base.stacked_tokens(module, calls)

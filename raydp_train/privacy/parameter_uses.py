@@ -1,13 +1,14 @@
-"""Every differentiable use of a trained parameter must happen inside its own layer's forward.
+"""Naming a stray use: the module and function that used a trained parameter outside its own
+layer's forward.
 
 The layer rules (layer_rules.py) see a parameter only through its module's forward: the input
 the forward hook keeps and the gradient of that call's output. A parameter used anywhere else
-adds a gradient path the rules never see, and its share would be missing from the norm and
-the clipped sum -- e.g. a tied LM head written as `F.linear(h, embedding.weight)`, or
-`nn.MultiheadAttention`, which uses `out_proj.weight` without calling `out_proj`. During an
-audited forward the trained parameters require grad as usual, and every torch function that
-takes one and returns a tensor that requires grad is checked against the module whose forward
-is running; any other caller is refused by name.
+adds a gradient path the rules never see -- e.g. a tied LM head written as
+`F.linear(h, embedding.weight)`, or `nn.MultiheadAttention`, which uses `out_proj.weight`
+without calling `out_proj`. The engine detects such a use in every pass by autograd itself
+(clipping.py: the parameter gets a `.grad`); it then re-runs the forward under this audit,
+where every torch function that takes a trained parameter and returns a tensor that requires
+grad is checked against the module whose forward is running, to name the caller.
 """
 
 from __future__ import annotations

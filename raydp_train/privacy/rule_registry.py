@@ -71,9 +71,28 @@ class Rule:
         """Raise UnsupportedLayerError, naming the module `name`, for settings the rule cannot
         handle; by default there are none."""
 
+    def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
+        """The parameters of the module whose gradients the rule computes; the engine refuses
+        a module that trains any other."""
+        return ("weight", "bias")
+
     def slot_shapes(self, module: nn.Module) -> dict[str, torch.Size]:
         """The module's gradient slots by name; by default one per trainable parameter."""
         return {n: p.shape for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+    def slots_from_gradients(self, module: nn.Module,
+                             gradients: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One example's slot values from its gradients of the module's trained parameters
+        (by name), computed the slow way: what `add_clipped_sum` adds for that example with
+        a clip factor of 1. By default the slots are the parameters."""
+        return {name: gradients[name] for name in self.slot_shapes(module)}
+
+    def per_example_gradient(self, module: nn.Module, calls: LayerCalls,
+                             slot: str) -> Tensor | None:
+        """[B, *slot shape]: every example's gradient in the slot, after `squared_norms`, for
+        the cross terms of a parameter shared with another layer (tied_weights.py); None
+        where the rule cannot form it, and a tie through that slot is refused."""
+        return None
 
     def squared_norms(self, module: nn.Module, calls: LayerCalls, slots: dict[str, Tensor],
                       gram_cache: dict) -> Tensor:

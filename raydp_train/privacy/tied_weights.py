@@ -1,4 +1,5 @@
-"""Tied weights: one parameter used by several layers (GPT-2's `wte` and `lm_head`), §2.3.
+"""Shared parameters: one trained parameter used by several layers (GPT-2's `wte` and
+`lm_head`, two Linear layers sharing a bias), §2.3.
 
 The parameter's per-example gradient is the sum of its uses' gradients, g_i = sum_u g_i^u,
 clipped once with the rest of the example's gradient:
@@ -7,15 +8,19 @@ clipped once with the rest of the example's gradient:
     sum_i c_i g_i      = sum_u (sum_i c_i g_i^u)
 
 So each layer's rule computes its own use's norm and adds its own clipped sum into the ONE
-slot the parameter has, exactly as if it were untied; only the cross terms are new. Each is a
-product over token pairs, exact, with O(B T_u T_w) memory (no per-example V x d gradient):
+slot the parameter has, exactly as if it were unshared; only the cross terms are new. Each is
+the inner product of the two uses' gradients of THAT parameter (a weight's, or a bias's: a
+shared bias gives 2 <sum_t G_t, sum_s H_s>). The large ones are products over token pairs,
+exact, with O(B T_u T_w) memory (no per-example V x d gradient):
 
-    Linear x Linear        <G^T a, H^T b>_i          = sum_{t,s} (G_t . H_s) (a_t . b_s)
-    Embedding x Linear     <E(ids, F), G^T a>_i      = sum_{s,t} G_t[id_s] (F_s . a_t)
-    Embedding x Embedding  <E(ids, F), E(jds, H)>_i  = sum_{s,t} [id_s = jd_t] (F_s . H_t)
+    Linear.weight x Linear.weight       <G^T a, H^T b>_i        = sum_{t,s} (G_t . H_s)(a_t . b_s)
+    Embedding.weight x Linear.weight    <E(ids, F), G^T a>_i    = sum_{s,t} G_t[id_s] (F_s . a_t)
+    Embedding.weight x Embedding.weight <E(ids, F), E(jds, H)>_i = sum_{s,t} [id_s = jd_t] (F_s . H_t)
 
 (a, b: Linear inputs; G, H, F: output gradients; E(ids, F): the rows F_s added at rows id_s.)
-Any other pair of layer kinds sharing a trained parameter is refused, naming both modules.
+Any other pair is the inner product of the per-example gradients both rules materialize
+(`Rule.per_example_gradient`: biases, norm scales, convolution kernels); a pair where a rule
+cannot is refused, naming both modules.
 """
 
 from __future__ import annotations
@@ -32,86 +37,123 @@ from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayer
 
 
 @dataclass(frozen=True)
+class Use:
+    """A layer that uses a shared parameter, and the parameter's name (its slot) there."""
+
+    module: nn.Module
+    rule: Rule
+    slot: str
+
+
+@dataclass(frozen=True)
 class Tie:
-    """A trained parameter and the (module, rule) of each layer that uses it."""
+    """A trained parameter and each layer that uses it."""
 
     parameter_name: str
-    uses: tuple[tuple[nn.Module, Rule], ...]
+    uses: tuple[Use, ...]
+
+
+CrossTerm = Callable[[Use, LayerCalls, Use, LayerCalls], Tensor]
 
 
 def find_ties(layers: list) -> list[Tie]:
     """The trained parameters owned by several of the (name, module, rule) `layers`; a pair
-    of uses with no cross term below is refused."""
+    of uses with no cross term is refused."""
     owners: dict[int, list] = {}
     names: dict[int, str] = {}
     for label, module, rule in layers:
+        slots = rule.slot_shapes(module)
         for name, p in module.named_parameters(recurse=False):
             if p.requires_grad:
-                owners.setdefault(id(p), []).append((label, module, rule))
+                owners.setdefault(id(p), []).append((label, Use(module, rule, name), name in slots))
                 names.setdefault(id(p), name if label == "<root>" else f"{label}.{name}")
     ties = []
     for key, uses in owners.items():
         if len(uses) < 2:
             continue
-        for (label_a, module_a, rule_a), (label_b, module_b, rule_b) in combinations(uses, 2):
-            if _cross_term(rule_a, rule_b) is None:
+        for (label_a, use_a, slot_a), (label_b, use_b, slot_b) in combinations(uses, 2):
+            if not (slot_a and slot_b) or _cross_term(use_a, use_b) is None:
                 raise UnsupportedLayerError(
-                    f"modules '{label_a}' ({type(module_a).__name__}) and '{label_b}' "
-                    f"({type(module_b).__name__}) share the trainable parameter "
-                    f"'{names[key]}' (tied weights); per-example clipping supports tied "
-                    "weights between Linear and Embedding layers only: untie them or freeze "
-                    "the shared parameter"
+                    f"modules '{label_a}' ({type(use_a.module).__name__}) and '{label_b}' "
+                    f"({type(use_b.module).__name__}) share the trainable parameter "
+                    f"'{names[key]}' (as '{use_a.slot}' and '{use_b.slot}'); per-example "
+                    "clipping has no cross term for this pair: untie them or freeze the "
+                    "shared parameter"
                 )
-        ties.append(Tie(names[key], tuple((module, rule) for _, module, rule in uses)))
+        ties.append(Tie(names[key], tuple(use for _, use, _ in uses)))
     return ties
 
 
-def cross_terms(ties: list[Tie], used: dict[nn.Module, LayerCalls], like: Tensor) -> Tensor:
-    """2 sum_{u<w} <g_i^u, g_i^w> over every tie's uses that took part in the loss, [B].
+def tie_terms(ties: list[Tie], used: dict[nn.Module, LayerCalls],
+              like: Tensor) -> list[tuple[Tie, Tensor]]:
+    """Each tie's 2 sum_{u<w} <g_i^u, g_i^w> over its uses that took part in the loss, [B].
 
     Call after every used layer's `squared_norms`: the terms read what those left in
     `calls.state`."""
-    total = torch.zeros_like(like)
+    terms = []
     for tie in ties:
-        present = [(module, rule) for module, rule in tie.uses if module in used]
-        for (module_a, rule_a), (module_b, rule_b) in combinations(present, 2):
-            term = _cross_term(rule_a, rule_b)
-            total = total + 2 * term(used[module_a].state, used[module_b].state)
-    return total
+        total = torch.zeros_like(like)
+        present = [use for use in tie.uses if use.module in used]
+        for use_a, use_b in combinations(present, 2):
+            term = _cross_term(use_a, use_b)
+            total = total + 2 * term(use_a, used[use_a.module], use_b, used[use_b.module])
+        terms.append((tie, total))
+    return terms
 
 
-def _cross_term(rule_a: Rule, rule_b: Rule) -> Callable[[dict, dict], Tensor] | None:
-    """The cross term of two uses' states, in either order; None for an unsupported pair."""
-    kinds = (type(rule_a), type(rule_b))
-    if kinds in _CROSS_TERMS:
-        return _CROSS_TERMS[kinds]
-    swapped = _CROSS_TERMS.get(kinds[::-1])
-    return None if swapped is None else (lambda a, b: swapped(b, a))
+def _cross_term(use_a: Use, use_b: Use) -> CrossTerm | None:
+    """The cross term of two uses, in either order; None for a pair with none."""
+    kinds = (_kind(use_a), _kind(use_b))
+    if kinds in _TOKEN_PAIR_TERMS:
+        return _TOKEN_PAIR_TERMS[kinds]
+    if kinds[::-1] in _TOKEN_PAIR_TERMS:
+        swapped = _TOKEN_PAIR_TERMS[kinds[::-1]]
+        return lambda a, calls_a, b, calls_b: swapped(b, calls_b, a, calls_a)
+    if EmbeddingRule in (type(use_a.rule), type(use_b.rule)):
+        return None  # its per-example gradient would be dense [B, V, d]
+    if all(type(use.rule).per_example_gradient is not Rule.per_example_gradient
+           for use in (use_a, use_b)):
+        return _materialized
+    return None
 
 
-def _linear_linear(first: dict, second: dict) -> Tensor:
-    inputs = torch.bmm(first["a"], second["a"].transpose(1, 2))
-    grads = torch.bmm(first["g"], second["g"].transpose(1, 2))
+def _kind(use: Use) -> tuple[type, str]:
+    return type(use.rule), use.slot
+
+
+def _materialized(use_a: Use, calls_a: LayerCalls, use_b: Use, calls_b: LayerCalls) -> Tensor:
+    grads_a = use_a.rule.per_example_gradient(use_a.module, calls_a, use_a.slot)
+    grads_b = use_b.rule.per_example_gradient(use_b.module, calls_b, use_b.slot)
+    return (grads_a * grads_b).flatten(1).sum(1)
+
+
+def _linear_linear(first: Use, calls_a: LayerCalls, second: Use, calls_b: LayerCalls) -> Tensor:
+    a, b = calls_a.state, calls_b.state
+    inputs = torch.bmm(a["a"], b["a"].transpose(1, 2))
+    grads = torch.bmm(a["g"], b["g"].transpose(1, 2))
     return (inputs * grads).sum((1, 2))
 
 
-def _embedding_linear(embedding: dict, linear: dict) -> Tensor:
-    ids, rows = embedding["ids"], embedding["g"]  # [B, S], [B, S, d]
-    a, g = linear["a"], linear["g"]  # [B, T, d], [B, T, V]
+def _embedding_linear(embedding: Use, calls_e: LayerCalls, linear: Use,
+                      calls_l: LayerCalls) -> Tensor:
+    ids, rows = calls_e.state["ids"], calls_e.state["g"]  # [B, S], [B, S, d]
+    a, g = calls_l.state["a"], calls_l.state["g"]  # [B, T, d], [B, T, V]
     picked = g.gather(2, ids.unsqueeze(1).expand(-1, g.shape[1], -1))  # G_t[id_s]: [B, T, S]
     return (picked * torch.bmm(a, rows.transpose(1, 2))).sum((1, 2))
 
 
-def _embedding_embedding(first: dict, second: dict) -> Tensor:
-    same_id = first["ids"].unsqueeze(2) == second["ids"].unsqueeze(1)  # [B, S, S']
-    rows = torch.bmm(first["g"], second["g"].transpose(1, 2))
+def _embedding_embedding(first: Use, calls_a: LayerCalls, second: Use,
+                         calls_b: LayerCalls) -> Tensor:
+    same_id = calls_a.state["ids"].unsqueeze(2) == calls_b.state["ids"].unsqueeze(1)
+    rows = torch.bmm(calls_a.state["g"], calls_b.state["g"].transpose(1, 2))
     return (rows * same_id).sum((1, 2))
 
 
-# Exact rule types: a subclass (a convolution, GPT-2's transposed Conv1D, LSG's low-rank
-# carriers) lays its weight out differently and is refused.
-_CROSS_TERMS: dict[tuple[type, type], Callable[[dict, dict], Tensor]] = {
-    (LinearRule, LinearRule): _linear_linear,
-    (EmbeddingRule, LinearRule): _embedding_linear,
-    (EmbeddingRule, EmbeddingRule): _embedding_embedding,
+# Exact rule types and the slot each use is in: a subclass (a convolution, GPT-2's
+# transposed Conv1D, LSG's carriers) lays its weight out differently and takes the
+# materialized term or is refused.
+_TOKEN_PAIR_TERMS: dict[tuple[tuple[type, str], tuple[type, str]], CrossTerm] = {
+    ((LinearRule, "weight"), (LinearRule, "weight")): _linear_linear,
+    ((EmbeddingRule, "weight"), (LinearRule, "weight")): _embedding_linear,
+    ((EmbeddingRule, "weight"), (EmbeddingRule, "weight")): _embedding_embedding,
 }

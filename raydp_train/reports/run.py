@@ -96,6 +96,9 @@ def training_statement(pipeline: Pipeline, result) -> dict:
         "allreduce_collectives_per_step": 1,
         "training_rows_per_worker": result.shard_sizes,  # they sum to N (ARCHITECTURE.md §2.10)
         "threads_per_worker": result.threads,  # torch's, training.threads_per_worker
+        # privacy.self_check: each worker's checks of the engine and their seconds
+        "engine_self_checks_per_worker": [
+            {"checks": count, "seconds": seconds} for count, seconds in result.self_checks],
     }
     if hasattr(result.model, "pooling"):  # hf: the pooling model.pooling: null resolved to
         head = result.model.pooling_head

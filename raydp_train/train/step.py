@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.mechanism import DpSgd, Mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_
+from raydp_train.train.engine_checks import EngineChecks
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 Precision = Literal["fp32", "bf16"]
@@ -39,6 +40,7 @@ def private_step(
     all_reduce_sum: Callable[[Tensor], None] = lambda tensor: None,
     mechanism: Mechanism = DP_SGD,
     precision: Precision = "fp32",
+    engine_checks: EngineChecks | None = None,
 ) -> StepStats:
     """g^ = (N(0, noise_std^2 I) + sum_w sum_{i in S_w} clip(g_i)) / (q N).
 
@@ -48,15 +50,23 @@ def private_step(
     how it reaches the parameters (LSG: kept carrier entries, mapped back to the weights).
     `precision` "bf16" runs the forward (and so the backward) in bfloat16 under autocast;
     the norms, clip factors, clipped sum, noise and update stay in the parameters' float32.
+    When `engine_checks` says the step is due, the engine is checked against one backward
+    per example on the first micro-batch, on every rank, before anything is reduced.
     """
     compute_losses = in_precision(per_example_loss, precision, clipper.flat_grad.device.type)
     # The step's noise draw (zeros on ranks > 0) is the starting value of the local sum.
     fill_gaussian_noise_(clipper.bind_grads(), noise_std, noise_generator)
+    check_due = engine_checks is not None and engine_checks.due(clipper)
     loss_sum, count = 0.0, 0
     for features, labels in micro_batches:
+        if check_due:
+            engine_checks.run(clipper, compute_losses, (model, features, labels))
+            check_due = False
         stats = clipper.accumulate(compute_losses, model, features, labels)
         loss_sum += stats.losses.sum().item()
         count += labels.shape[0]
+    if check_due:  # this rank sampled nothing, but joins the other ranks' verdict
+        engine_checks.run(clipper, compute_losses, None)
     mechanism.reduce(clipper, all_reduce_sum)
     # The expected batch size q*N, never |S|: |S| depends on the data.
     clipper.flat_grad.div_(expected_batch_size)

@@ -23,8 +23,9 @@ from raydp_train.privacy.noise import fill_gaussian_noise_, make_generator, make
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
+from raydp_train.train.engine_checks import EngineChecks
 from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
-from raydp_train.train.step import cross_entropy_loss, private_step
+from raydp_train.train.step import AUTOCAST_DTYPES, cross_entropy_loss, private_step
 from raydp_train.train.threads import use_threads
 
 
@@ -51,13 +52,19 @@ class TrainResult:
     peak_rss_mb: list[float] = field(default_factory=list)  # each rank's, at the end
     data_mb: list[float] = field(default_factory=list)  # each rank's resident data, read
     threads: list[int] = field(default_factory=list)  # each rank's torch threads
+    # Each rank's (engine self-checks run, their seconds): privacy.self_check's cost.
+    self_checks: list[tuple[int, float]] = field(default_factory=list)
 
 
-def _mechanism(pipeline, context) -> Mechanism:
+def _shared_seed(pipeline, context) -> int:
+    """Rank 0's seed (run.seed, else os.urandom), on every rank."""
+    seed = pipeline.run.seed
+    return context.gather(int.from_bytes(os.urandom(8), "little") if seed is None else seed)[0]
+
+
+def _mechanism(pipeline, shared_seed: int) -> Mechanism:
     """The pipeline's mechanism; its own randomness (LSG's carriers) is the same on every
     rank, from rank 0's seed."""
-    seed = pipeline.run.seed
-    shared_seed = context.gather(int.from_bytes(os.urandom(8), "little") if seed is None else seed)[0]
     return make_mechanism(pipeline.privacy, torch.Generator().manual_seed(shared_seed))
 
 
@@ -87,7 +94,8 @@ def train(
     model = build_model(pipeline.model, local.feature_shape, local.num_classes)
     model = model.to(context.device)
     context.broadcast_parameters(model)
-    mechanism = _mechanism(pipeline, context)
+    shared_seed = _shared_seed(pipeline, context)
+    mechanism = _mechanism(pipeline, shared_seed)
     clipper = mechanism.attach(model, plan.clip_norm)  # may freeze what the mechanism does not train
     optimizer = make_optimizer(model, training)
     schedule = make_schedule(optimizer, training, plan.steps)  # counts logical steps
@@ -95,6 +103,8 @@ def train(
     # Rank 0 alone draws the noise: ONE draw of std sigma*C per step for the whole world.
     std = mechanism.noise_std(plan.noise_multiplier, plan.clip_norm) if rank == 0 else 0.0
     sampling_generator, _ = make_generator(None if seed is None else seed + 1 + rank)
+    engine_checks = EngineChecks(pipeline.privacy.self_check, shared_seed + 1, context.gather,
+                                 AUTOCAST_DTYPES[training.precision])
 
     causal = is_causal_lm(pipeline.model)
     result = TrainResult(model=model, noise_mode=noise_mode,
@@ -141,7 +151,7 @@ def train(
             stats = private_step(
                 model, clipper, optimizer, batches, per_example_loss, std,
                 plan.expected_batch_size, noise_generator, context.all_reduce_sum, mechanism,
-                training.precision,
+                training.precision, engine_checks,
             )
             schedule.step()  # once per logical step, whatever its number of micro-batches
             loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
@@ -173,6 +183,7 @@ def train(
     charged = context.charged()
     result.steps_done, result.steps_charged, result.releases_charged = step, *charged
     result.trained_per_step = trained.numel()
+    result.self_checks = context.gather((engine_checks.count, round(engine_checks.seconds, 3)))
     result.model_parameters = sum(p.numel() for p in model.parameters())
     result.checksums = context.gather(parameter_checksum(model))
     result.peak_rss_mb = context.gather(peak_rss_mb())

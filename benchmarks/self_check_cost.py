@@ -1,0 +1,124 @@
+"""What `privacy.self_check` costs at its defaults (4 examples; the first step of each worker
+process, then 1% of steps), issue 27's target: < 2% of a run.
+
+    .venv/bin/python benchmarks/self_check_cost.py        (about 10 minutes on 2 cores)
+
+1. MiniLM on SST-2, as a user runs it: the shipped pipelines/sst2_minilm_dpsgd.yaml for
+   2 epochs (`raydp-train run`, embedded Ray), with the self-check on and off; the record's
+   engine_self_checks_per_worker gives the checks' own seconds.
+2. The Llama decoder of benchmarks/llama_step.py (B 16, T 128, every token real), in this
+   process: the median private step and the median self-check, alternating; the share of a
+   run of that benchmark's 24 steps and of longer runs.
+Writes its section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from llama_step import BATCH, LOSS, STEPS, llama_workload
+from pipeline_runs import ROOT, run_pipeline
+from step_overhead import CLIP_NORM, NOISE_MULTIPLIER, machine_facts, write_section
+
+from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.privacy.noise import make_generator, noise_std
+from raydp_train.privacy.self_check import compare_with_per_example
+from raydp_train.train.step import private_step
+
+SST2 = ROOT / "pipelines" / "sst2_minilm_dpsgd.yaml"
+SST2_EPOCHS, SHIPPED_STEPS = 2, 135  # the shipped recipe: 20 epochs of q = 1024 / 6920
+ROUNDS = 6
+
+
+def expected_checks(steps: int, fraction: float = 0.01) -> float:
+    """The first step, then each later one with probability `fraction`."""
+    return 1 + fraction * (steps - 1)
+
+
+def minilm_runs() -> dict:
+    runs = {}
+    for enabled in (True, False):
+        runs[enabled] = run_pipeline(SST2, [f"training.epochs={SST2_EPOCHS}",
+                                            f"privacy.self_check.enabled={str(enabled).lower()}"],
+                                     seed=0)
+        print(f"SST-2 run, self-check {enabled}: {runs[enabled].get('wall_s', 0):.1f} s "
+              f"{runs[enabled].get('error', '')}", flush=True)
+    return runs
+
+
+def llama_times() -> tuple[list[float], list[float]]:
+    workload = llama_workload()
+    model, tokens, labels = workload.model, workload.features, workload.labels
+    clipper = PerExampleClipper(model, CLIP_NORM)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator, _ = make_generator(0)
+    std = noise_std(NOISE_MULTIPLIER, CLIP_NORM)
+    steps, checks = [], []
+    for round_index in range(ROUNDS + 1):
+        started = time.perf_counter()
+        private_step(model, clipper, optimizer, [(tokens, labels)], LOSS, std, BATCH, generator)
+        step = time.perf_counter() - started
+        report = compare_with_per_example(clipper, LOSS, (model, tokens, labels), 4)
+        assert report.passed, report.message()
+        if round_index:  # the first round warms up
+            steps.append(step)
+            checks.append(report.seconds)
+        print(f"llama: step {step:.2f} s, check {report.seconds:.2f} s", flush=True)
+    return steps, checks
+
+
+def section(runs: dict, steps: list[float], checks: list[float], load: float) -> str:
+    on, off = runs[True], runs[False]
+    per_worker = on["record"]["training"]["engine_self_checks_per_worker"]
+    count = sum(w["checks"] for w in per_worker)
+    seconds = sum(w["seconds"] for w in per_worker)
+    run_steps = on["record"]["metrics"][-1]["steps"]
+    per_check = seconds / max(count, 1)
+    step, check = statistics.median(steps), statistics.median(checks)
+    shipped_run = 23.6 * 60  # RESULTS.md: the shipped 20-epoch DP-SGD run, seed 1, quiet
+    lines = [
+        "## Engine self-check: its cost at the defaults (benchmarks/self_check_cost.py)", "",
+        (f"Machine: {machine_facts()}; 1-minute load before the runs {load:.2f} on "
+         f"{os.cpu_count()} cores (other work on the machine shows here). Defaults: 4 examples, "
+         "the first step of each worker process, then 1% of later steps at random."), "",
+        (f"**MiniLM, SST-2** (pipelines/sst2_minilm_dpsgd.yaml, {SST2_EPOCHS} epochs, "
+         f"{run_steps} steps, expected batch 1,024 in micro-batches "
+         f"of 64, `raydp-train run`, one worker): {count} check(s) took {seconds:.2f} s in all "
+         f"({per_check:.2f} s each) of a {on['wall_s']:.0f} s run "
+         f"(**{seconds / on['wall_s']:.2%}**); the same run with `privacy.self_check.enabled: "
+         f"false` took {off['wall_s']:.0f} s. Over the shipped 20-epoch run ({SHIPPED_STEPS} "
+         f"steps, {expected_checks(SHIPPED_STEPS):.2f} checks expected, 23.6 min measured): "
+         f"**{expected_checks(SHIPPED_STEPS) * per_check / shipped_run:.3%}**."), "",
+        ("**Llama decoder** (benchmarks/llama_step.py's workload: B 16, T 128, every token "
+         f"real; in-process, {ROUNDS} alternating rounds after one warm-up): median private "
+         f"step {step:.2f} s, median check {check:.2f} s ({check / step:.2f} steps). Share of "
+         "a run of N steps, (1 + 0.01 (N - 1)) checks:"), "",
+        "| steps N | checks expected | share of the run |", "|---:|---:|---:|",
+    ]
+    for n in (STEPS, 50, 100, 500):
+        share = expected_checks(n) * check / (n * step + expected_checks(n) * check)
+        lines.append(f"| {n} | {expected_checks(n):.2f} | {share:.2%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    load = os.getloadavg()[0]
+    runs = minilm_runs()
+    if any("error" in run for run in runs.values()):
+        raise SystemExit(f"a run failed: {runs}")
+    torch.set_num_threads(os.cpu_count() or 1)
+    steps, checks = llama_times()
+    text = section(runs, steps, checks, load)
+    print(text)
+    write_section(Path(__file__).with_name("RESULTS.md"), text)
+
+
+if __name__ == "__main__":
+    main()

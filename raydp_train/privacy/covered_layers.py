@@ -1,0 +1,112 @@
+"""Which modules the clipping engine covers, with which rule, and where their gradients go
+(ARCHITECTURE.md §2.3): every module that owns a trained parameter gets a rule or is refused
+by name, before anything runs; so are models the hooks cannot follow (a compiled model,
+batch-second layers, a re-parametrized weight)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from raydp_train.privacy.rule_registry import (
+    Rule,
+    UnsupportedLayerError,
+    rule_for,
+    supported_layers,
+)
+
+
+class BatchDimensionError(ValueError):
+    """A layer saw a leading dimension that is not the example dimension."""
+
+
+def own_trainable(module: nn.Module) -> list[Tensor]:
+    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+def refuse_batch_second(model: nn.Module) -> None:
+    """Layers under a module that declares [T, B, ...] inputs would read tokens as examples
+    (undetectable when T == B), so such a module must not hold trained parameters."""
+    for name, module in model.named_modules():
+        if getattr(module, "batch_first", True) is False and any(
+            p.requires_grad for p in module.parameters()
+        ):
+            raise BatchDimensionError(
+                f"module '{name or '<root>'}' ({type(module).__name__}) has batch_first=False: "
+                "per-example clipping needs the example dimension first in every trained "
+                "layer; build it with batch_first=True or freeze it"
+            )
+
+
+def refuse_compiled(model: nn.Module) -> None:
+    """A compiled module runs a captured graph: the hooks the engine relies on would not run
+    as the model's Python code does (and dynamo fails inside them)."""
+    for name, module in model.named_modules():
+        if hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None):
+            raise UnsupportedLayerError(
+                f"module '{name or '<root>'}' ({type(module).__name__}) is compiled with "
+                "torch.compile; per-example clipping hooks every trained layer and needs the "
+                "uncompiled model: pass the module itself, not its compiled form"
+            )
+
+
+def covered_layers(model: nn.Module, rules: dict) -> list:
+    """(name, module, rule) for every module owning trainable parameters; refuse the rest."""
+    layers = []
+    for name, module in model.named_modules():
+        params = own_trainable(module)
+        if not params:
+            continue
+        label = name or "<root>"
+        rule = rules.get(module) or rule_for(module)
+        if rule is None:
+            raise UnsupportedLayerError(
+                f"module '{label}' ({type(module).__name__}) owns trainable parameters "
+                f"but per-example clipping has no rule for it; supported: {supported_layers()}. "
+                "Freeze it (requires_grad=False) or replace it"
+            )
+        rule.check(module, label)
+        _check_parameter_names(module, label, rule)
+        layers.append((label, module, rule))
+    return layers
+
+
+def _check_parameter_names(module: nn.Module, label: str, rule: Rule) -> None:
+    """A trained parameter the rule does not know (weight_norm's `weight_g` and `weight_v`,
+    spectral_norm's `weight_orig`) would get no gradient at all."""
+    known = rule.parameter_names(module)
+    unknown = [n for n, p in module.named_parameters(recurse=False)
+               if p.requires_grad and n not in known]
+    if unknown:
+        raise UnsupportedLayerError(
+            f"module '{label}' ({type(module).__name__}) has trainable parameter(s) "
+            f"{', '.join(repr(n) for n in unknown)} that its clipping rule "
+            f"({type(rule).__name__}) does not compute, only {', '.join(known)} (a "
+            "re-parametrization such as torch.nn.utils.weight_norm or spectral_norm renames "
+            "them); remove the re-parametrization or freeze those parameters"
+        )
+
+
+def slot_views(layers: list, like: Tensor) -> tuple[Tensor, dict[nn.Module, dict[str, Tensor]]]:
+    """One flat buffer and each module's gradient slots as views of it. The modules of a tied
+    parameter share its one slot, so their rules' clipped sums add up there."""
+    offsets: dict = {}  # a parameter (or a module's non-parameter slot) -> its offset
+    layout, size = [], 0
+    for _, module, rule in layers:
+        for name, shape in rule.slot_shapes(module).items():
+            param = module._parameters.get(name)
+            key = id(param) if param is not None else (id(module), name)
+            if key not in offsets:
+                offsets[key], size = size, size + shape.numel()
+            layout.append((module, name, offsets[key], shape))
+    flat = like.new_zeros(size)
+    slots: dict[nn.Module, dict[str, Tensor]] = {module: {} for _, module, _ in layers}
+    for module, name, offset, shape in layout:
+        slots[module][name] = flat[offset : offset + shape.numel()].view(shape)
+    return flat, slots
+
+
+def check_uniform(params: list[Tensor]) -> None:
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) > 1:
+        raise ValueError(f"trainable parameters must share one dtype and device, got {kinds}")
+
