@@ -109,7 +109,7 @@ def test_sound_models_pass_far_inside_the_tolerance(dtype):
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3)).to(dtype)
     report = check(model, torch.randn(4, 6, dtype=dtype), clip_norm=0.1)
-    assert report.passed and report.examples == 4 and report.seconds > 0
+    assert report.passed and report.examples == 2 and report.seconds > 0
     assert report.norm_error < 1e-3 * tolerance(dtype)
     assert report.sum_error < 1e-3 * tolerance(dtype)
 

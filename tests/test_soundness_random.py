@@ -74,8 +74,10 @@ def engine_clipped_sum(model, inputs, labels, clip_norm):
             p.grad = None
 
 
-def failure(program: Program) -> str | None:
-    """None if the engine is exact (or rightly refuses); else what went wrong."""
+def failure(program: Program, outcomes: Counter | None = None) -> str | None:
+    """None if the engine is exact (or rightly refuses); else what went wrong. `outcomes`
+    counts "exact" and "refused"."""
+    outcomes = Counter() if outcomes is None else outcomes
     model, inputs, labels = build(program)
     refusals = program.expected_refusals()
     try:
@@ -91,6 +93,7 @@ def failure(program: Program) -> str | None:
         except UnsupportedLayerError as error:
             words = [w for r in refusals for w in _as_tuple(REFUSAL_WORDS[r])]
             if any(w in str(error) for w in words):
+                outcomes["refused"] += 1
                 return None
             return f"refused: {error}"
         if refusals - MAY_GIVE_NUMBERS:
@@ -102,6 +105,7 @@ def failure(program: Program) -> str | None:
             return f"clip norm {clip_norm:.3g}: clipped sum off by {error:.3g}"
         if not torch.allclose(norms, true_norms, rtol=TOLERANCE, atol=1e-12):
             return f"clip norm {clip_norm:.3g}: norms {norms.tolist()} != {true_norms.tolist()}"
+    outcomes["exact"] += 1
     return None
 
 
@@ -128,18 +132,17 @@ def reproduction(program: Program, reason: str) -> str:
 
 def test_generated_models_are_exact_or_refused(request):
     count = request.config.getoption("--long") or 300
-    failures, kinds, refused = [], Counter(), 0
+    failures, kinds, outcomes = [], Counter(), Counter()
     for seed in range(count):
         program = generate(seed)
         kinds.update(_features(program))
-        refused += bool(program.expected_refusals())
-        reason = failure(program)
+        reason = failure(program, outcomes)
         if reason is not None:
             failures.append(program)
             if len(failures) >= 3:
                 break
-    print(f"\n{count} generated models: {count - refused} exact, {refused} rightly refused; "
-          f"{dict(sorted(kinds.items()))}")
+    print(f"\n{count} generated models: {outcomes['exact']} exact, {outcomes['refused']} "
+          f"rightly refused, {len(failures)} failing; {dict(sorted(kinds.items()))}")
     if failures:
         smallest = minimal(failures[0])
         pytest.fail(

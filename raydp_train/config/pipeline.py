@@ -104,7 +104,7 @@ class SelfCheckConfig(Section):
     random fraction of steps."""
 
     enabled: bool = True
-    examples: int = Field(4, ge=1)  # examples of the micro-batch checked
+    examples: int = Field(2, ge=1)  # examples of the micro-batch checked
     step_fraction: float = Field(0.01, ge=0, le=1)  # later steps checked, at random
 
 

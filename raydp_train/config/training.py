@@ -42,6 +42,9 @@ class TrainingConfig(Section):
     # hf models: compute the frozen layers below the first trained one once per example
     cache_frozen_prefix: bool = False
     workers: int = Field(1, ge=1)  # Ray Train workers, each clipping its own shard
+    # where the workers go on a cluster: pack (Ray's default: fill a node first), spread (over
+    # the nodes when it can), strict_spread (each on a different node, or the run waits)
+    placement: Literal["pack", "spread", "strict_spread"] = "pack"
     use_gpu: bool = False  # one GPU per worker; model, step and noise on it
     # torch threads in each worker; auto: the cores of the worker's machine divided among the
     # training processes on it (its workers, a sweep's concurrent trials)

@@ -96,6 +96,7 @@ def training_statement(pipeline: Pipeline, result) -> dict:
         "allreduce_collectives_per_step": 1,
         "training_rows_per_worker": result.shard_sizes,  # they sum to N (ARCHITECTURE.md §2.10)
         "threads_per_worker": result.threads,  # torch's, training.threads_per_worker
+        "worker_nodes": result.nodes,  # each rank's node address (training.placement)
         # privacy.self_check: each worker's checks of the engine and their seconds
         "engine_self_checks_per_worker": [
             {"checks": count, "seconds": seconds} for count, seconds in result.self_checks],

@@ -26,6 +26,7 @@ class LocalContext:
     (and spent from the global budget when `account` has one)."""
 
     rank, world_size = 0, 1
+    node = "this process"
 
     def __init__(self, on_epoch=print, account: RunAccount | None = None, sharing: int = 1):
         self.on_epoch = on_epoch
@@ -79,6 +80,7 @@ class RayTrainContext:
         # The training processes on this machine: this run's workers here, times the runs
         # (a sweep's trials) that may run beside it.
         self.sharing = context.get_local_world_size() * concurrent_runs
+        self.node = ray.util.get_node_ip_address()  # the address of this worker's node
         self.device = ray.train.torch.get_device()
         self.progress_queue, self.account, self.run_dir = progress_queue, account, run_dir
         self.splits = splits

@@ -100,7 +100,8 @@ def fit(
         datasets=split_datasets(pipeline) if shards else None,
         dataset_config=ShardEveryRow() if shards else None,
         scaling_config=ScalingConfig(
-            num_workers=pipeline.training.workers, use_gpu=pipeline.training.use_gpu
+            num_workers=pipeline.training.workers, use_gpu=pipeline.training.use_gpu,
+            placement_strategy=pipeline.training.placement.upper(),
         ),
         run_config=RunConfig(
             name=run_dir.name,

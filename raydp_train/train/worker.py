@@ -52,6 +52,7 @@ class TrainResult:
     peak_rss_mb: list[float] = field(default_factory=list)  # each rank's, at the end
     data_mb: list[float] = field(default_factory=list)  # each rank's resident data, read
     threads: list[int] = field(default_factory=list)  # each rank's torch threads
+    nodes: list[str] = field(default_factory=list)  # each rank's node (its IP address)
     # Each rank's (engine self-checks run, their seconds): privacy.self_check's cost.
     self_checks: list[tuple[int, float]] = field(default_factory=list)
 
@@ -111,7 +112,7 @@ def train(
                          baselines={} if causal else _baselines(local, context),
                          shard_sizes=context.gather(local.num_train),
                          data_mb=context.gather(round(data_mb, 1)),
-                         threads=context.gather(threads))
+                         threads=context.gather(threads), nodes=context.gather(context.node))
     step, first_epoch = 0, 1
     state = context.restore()
     if state is not None:
