@@ -1,0 +1,188 @@
+"""Several Ray nodes on one machine, each in its own Linux network namespace, for tests and
+benchmarks (issue 28): the network between them is a real one, of limited bandwidth.
+
+    switch namespace  <prefix>-sw   a bridge, no address
+    node namespaces   <prefix>-n0 (head), <prefix>-n1, ...   eth0 10.213.<k>.<i + 1>/24, lo
+                       up, a veth into the bridge, both directions shaped by `tbf`
+
+No namespace has a default route, and every address is inside the namespaces made here, so
+no traffic leaves them. Each node runs `ray start` in its namespace with its own
+`--temp-dir`, `--node-ip-address` and `--num-cpus`, and RAY_USAGE_STATS_ENABLED=0. Teardown
+is by the namespace names made here: every PID in a namespace (`ip netns pids`) is killed,
+then the namespace deleted; never by process name. Needs root and the `ip` and `tc` tools;
+`unavailable()` says why not where they are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+GCS_PORT, DASHBOARD_PORT = 6379, 8265
+
+
+@dataclass
+class Node:
+    namespace: str
+    ip: str
+    temp: Path  # the node's --temp-dir
+
+
+@dataclass
+class Cluster:
+    prefix: str
+    switch: str
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def address(self) -> str:
+        return f"{self.head.ip}:{GCS_PORT}"
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://{self.head.ip}:{DASHBOARD_PORT}"
+
+    def run(self, node: Node, command: list[str], timeout: float = 600, **options):
+        """`command` inside the node's namespace, with the cluster's environment."""
+        return subprocess.run(["ip", "netns", "exec", node.namespace, *command],
+                              env=node_env(), timeout=timeout, check=False,
+                              capture_output=True, text=True, **options)
+
+    def kill(self, node: Node) -> list[int]:
+        """kill -9 every process of the node (by its namespace); the PIDs killed."""
+        pids = namespace_pids(node.namespace)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            self.kill(node)
+        time.sleep(0.5)
+        for namespace in [node.namespace for node in self.nodes] + [self.switch]:
+            subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)
+        for node in self.nodes:
+            shutil.rmtree(node.temp, ignore_errors=True)
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here (None: they can)."""
+    if os.geteuid() != 0:
+        return "multi-node tests need root (ip netns, veth, tc)"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "multi-node tests need the ip and tc tools (iproute2)"
+    probe = f"rdpprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                          check=False)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    if made.returncode != 0:
+        return f"cannot make a network namespace: {made.stderr.strip()}"
+    return None
+
+
+def node_env() -> dict:
+    """The nodes share this machine's hostname, which resolves to 127.0.0.1: torch's Gloo
+    must be told which interface carries the node's address (every node's is eth0), as on
+    any cluster whose hostnames resolve to loopback."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RAY_ADDRESS", "RAY_TMPDIR")}
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", GLOO_SOCKET_IFNAME="eth0")
+    return env
+
+
+def namespace_pids(namespace: str) -> list[int]:
+    done = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True,
+                          check=False)
+    return [int(pid) for pid in done.stdout.split()]
+
+
+def start_cluster(nodes: int = 2, cpus: int = 2, rate: str = "1gbit") -> Cluster:
+    """`nodes` Ray nodes (the first is the head), each with `cpus` logical CPUs, on links of
+    `rate` each way (tbf)."""
+    prefix = f"rdp{os.getpid() % 100000}"
+    subnet = 10 + os.getpid() % 200  # 10.213.<subnet>.0/24: one per test process
+    cluster = Cluster(prefix, f"{prefix}-sw")
+    try:
+        _ip("netns", "add", cluster.switch)
+        _in(cluster.switch, "ip", "link", "add", "br0", "type", "bridge")
+        _in(cluster.switch, "ip", "link", "set", "br0", "up")
+        for index in range(nodes):
+            node = Node(f"{prefix}-n{index}", f"10.213.{subnet}.{index + 1}",
+                        Path(tempfile.mkdtemp(prefix=f"{prefix}n{index}", dir="/tmp")))
+            cluster.nodes.append(node)
+            _connect(cluster, node, index, rate)
+        for node in cluster.nodes:
+            _start_ray(cluster, node, cpus)
+        _wait_for_nodes(cluster, nodes)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _connect(cluster: Cluster, node: Node, index: int, rate: str) -> None:
+    inside, outside = f"{cluster.prefix}v{index}a", f"{cluster.prefix}v{index}b"
+    _ip("netns", "add", node.namespace)
+    _ip("link", "add", inside, "type", "veth", "peer", "name", outside)
+    _ip("link", "set", inside, "netns", node.namespace)
+    _ip("link", "set", outside, "netns", cluster.switch)
+    _in(cluster.switch, "ip", "link", "set", outside, "master", "br0")
+    _in(cluster.switch, "ip", "link", "set", outside, "up")
+    _in(node.namespace, "ip", "link", "set", "lo", "up")
+    _in(node.namespace, "ip", "link", "set", inside, "name", "eth0")
+    _in(node.namespace, "ip", "addr", "add", f"{node.ip}/24", "dev", "eth0")
+    _in(node.namespace, "ip", "link", "set", "eth0", "up")
+    shape = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+    _in(node.namespace, "tc", "qdisc", "add", "dev", "eth0", *shape)  # the node sends
+    _in(cluster.switch, "tc", "qdisc", "add", "dev", outside, *shape)  # the node receives
+
+
+def _start_ray(cluster: Cluster, node: Node, cpus: int) -> None:
+    common = ["--node-ip-address", node.ip, "--num-cpus", str(cpus),
+              "--temp-dir", str(node.temp), "--disable-usage-stats"]
+    if node is cluster.head:
+        command = [str(BIN / "ray"), "start", "--head", "--port", str(GCS_PORT),
+                   "--dashboard-host", node.ip, "--dashboard-port", str(DASHBOARD_PORT),
+                   "--include-dashboard", "true", *common]
+    else:
+        command = [str(BIN / "ray"), "start", "--address", cluster.address, *common]
+    done = cluster.run(node, command, timeout=180)
+    if done.returncode != 0:
+        raise RuntimeError(f"ray start on {node.namespace} failed: {done.stderr[-2000:]}")
+
+
+def _wait_for_nodes(cluster: Cluster, count: int, timeout: float = 120) -> None:
+    script = ("import ray; ray.init(address='auto', logging_level='ERROR'); "
+              "print(sum(n['Alive'] for n in ray.nodes()))")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = cluster.run(cluster.head, [sys.executable, "-c", script], timeout=60,
+                           cwd="/tmp")
+        if done.returncode == 0 and done.stdout.strip().endswith(str(count)):
+            return
+        time.sleep(2)
+    raise RuntimeError(f"the cluster did not reach {count} nodes: {done.stdout} {done.stderr}")
+
+
+def _ip(*arguments: str) -> None:
+    subprocess.run(["ip", *arguments], check=True, capture_output=True, text=True)
+
+
+def _in(namespace: str, *command: str) -> None:
+    subprocess.run(["ip", "netns", "exec", namespace, *command], check=True,
+                   capture_output=True, text=True)
