@@ -55,9 +55,9 @@ class Cluster:
         return f"http://{self.head.ip}:{DASHBOARD_PORT}"
 
     def run(self, node: Node, command: list[str], timeout: float = 600, **options):
-        """`command` inside the node's namespace, with the cluster's environment."""
+        """`command` inside the node's namespace, with the node's environment."""
         return subprocess.run(["ip", "netns", "exec", node.namespace, *command],
-                              env=node_env(), timeout=timeout, check=False,
+                              env=node_env(node), timeout=timeout, check=False,
                               capture_output=True, text=True, **options)
 
     def kill(self, node: Node) -> list[int]:
@@ -95,13 +95,15 @@ def unavailable() -> str | None:
     return None
 
 
-def node_env() -> dict:
-    """The nodes share this machine's hostname, which resolves to 127.0.0.1: torch's Gloo
-    must be told which interface carries the node's address (every node's is eth0), as on
-    any cluster whose hostnames resolve to loopback."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("RAY_ADDRESS", "RAY_TMPDIR")}
-    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", GLOO_SOCKET_IFNAME="eth0")
+def node_env(node: Node) -> dict:
+    """The node's own RAY_TMPDIR, so that nothing it runs reads or overwrites the address
+    file of another Ray on this machine (a test session's). The nodes share this machine's
+    hostname, which resolves to 127.0.0.1: torch's Gloo must be told which interface carries
+    the node's address (every node's is eth0), as on any cluster whose hostnames resolve to
+    loopback."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", GLOO_SOCKET_IFNAME="eth0",
+               RAY_TMPDIR=str(node.temp))
     return env
 
 
@@ -166,17 +168,21 @@ def _start_ray(cluster: Cluster, node: Node, cpus: int) -> None:
         raise RuntimeError(f"ray start on {node.namespace} failed: {done.stderr[-2000:]}")
 
 
-def _wait_for_nodes(cluster: Cluster, count: int, timeout: float = 120) -> None:
-    script = ("import ray; ray.init(address='auto', logging_level='ERROR'); "
+def _wait_for_nodes(cluster: Cluster, count: int, timeout: float = 180) -> None:
+    script = (f"import ray; ray.init(address={cluster.address!r}, logging_level='ERROR'); "
               "print(sum(n['Alive'] for n in ray.nodes()))")
-    deadline = time.monotonic() + timeout
+    deadline, seen = time.monotonic() + timeout, "nothing"
     while time.monotonic() < deadline:
-        done = cluster.run(cluster.head, [sys.executable, "-c", script], timeout=60,
-                           cwd="/tmp")
+        try:
+            done = cluster.run(cluster.head, [sys.executable, "-c", script], timeout=60,
+                               cwd="/tmp")
+        except subprocess.TimeoutExpired:
+            continue
         if done.returncode == 0 and done.stdout.strip().endswith(str(count)):
             return
+        seen = f"{done.stdout} {done.stderr[-1000:]}"
         time.sleep(2)
-    raise RuntimeError(f"the cluster did not reach {count} nodes: {done.stdout} {done.stderr}")
+    raise RuntimeError(f"the cluster did not reach {count} nodes: {seen}")
 
 
 def _ip(*arguments: str) -> None:
