@@ -24,6 +24,8 @@ from raydp_train.privacy.budget import (
 from raydp_train.privacy.budget_accountant import BudgetAccountant
 from raydp_train.privacy.ledger import LedgerError, as_uri
 
+# A resource Ray puts on the head node alone (and on a local Ray's one node).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 # Every handle this driver opened. A non-detached actor lives while the handle that created it
 # lives; a handle found by name does not keep it alive, so none is ever dropped here.
 _OPENED: list = []
@@ -61,6 +63,8 @@ def _open(terms: BudgetTerms, ledger_root: str, detached: bool) -> BudgetClient:
         "max_restarts": -1,
         "max_task_retries": -1,
         "num_cpus": 0,
+        # On the head node: it lives as long as the cluster, where a worker node may go.
+        "resources": {HEAD_NODE_RESOURCE: 0.001},
     }
     if detached:
         options["lifetime"] = "detached"
@@ -80,8 +84,15 @@ class BudgetClient:
 
     budget: str
 
-    def reserve(self, owner: str, spend: Spend) -> Decision:
-        return ray.get(self._actor().reserve.remote(uuid.uuid4().hex, owner, spend))
+    def reserve(self, owner: str, spend: Spend, request_id: str = "") -> Decision:
+        """`request_id`: the caller's own id for this request, recorded before asking, so that
+        a restart can close what a dead attempt reserved (`close_requests`)."""
+        return ray.get(self._actor().reserve.remote(request_id or uuid.uuid4().hex, owner,
+                                                    spend))
+
+    def close_requests(self, closings: list[tuple[str, int, int]]) -> int:
+        """Settle the open reservations of these reserve requests with what they used."""
+        return ray.get(self._actor().close_requests.remote(closings))
 
     def settle(self, decision: Decision, steps_done: int, releases_done: int = 0) -> int:
         """Close a granted reservation; returns the steps given back to the budget."""

@@ -10,10 +10,12 @@ is included independently with probability q, exactly as by one sampler over all
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import ray.data
 from ray.train import DataConfig
 
@@ -21,8 +23,8 @@ from raydp_train.data import numeric_rows, text_labels
 from raydp_train.hf_files import tokenizer_source
 from raydp_train.text import tokenize_batch
 
-# Rows per block (the unit shards are made of: they differ by at most one block), per
-# tokenizing task, and per batch a worker reads while it materializes its shard.
+# The most rows per block (the unit shards are made of) and per tokenizing task, and the rows
+# per batch a worker reads while it materializes its shard.
 BATCH_ROWS = 1024
 
 
@@ -46,18 +48,25 @@ def split_datasets(pipeline) -> dict[str, ray.data.Dataset]:
     in file order; nothing is read until the workers iterate their shards."""
     data, tokenizer = pipeline.data, tokenizer_source(pipeline.model)
     text_column = getattr(data, "text_column", None)
-    columns = ([text_column] if text_column else data.feature_columns or [data.tensor_column])
-    columns += [data.label_column] if data.label_column is not None else []
+    columns = [text_column] if text_column else data.feature_columns or [data.tensor_column]
+    columns = [*columns, *([data.label_column] if data.label_column is not None else [])]
     datasets = {}
     for name, path in file_splits(data).items():
-        # Blocks of BATCH_ROWS rows: Ray Data hands whole blocks to the workers, and a file
-        # read as one block would land in one worker's shard.
+        rows = pq.ParquetFile(path).metadata.num_rows  # the footer alone
+        per_block = block_rows(rows, pipeline.training.workers)
         read = ray.data.read_parquet(str(path)).select_columns(columns).repartition(
-            target_num_rows_per_block=BATCH_ROWS)
-        datasets[name] = read.map_batches(
+            target_num_rows_per_block=per_block)
+        datasets[name] = read.map_batches(  # one block per batch: the blocks stay as cut
             _rows, fn_kwargs={"data": data, "path": path, "tokenizer": tokenizer},
-            batch_size=BATCH_ROWS, batch_format="pyarrow")
+            batch_size=per_block, batch_format="pyarrow")
     return datasets
+
+
+def block_rows(rows: int, workers: int) -> int:
+    """Rows per block: at most BATCH_ROWS, and a multiple of `workers` blocks in all, so that
+    W contiguous runs of blocks (ShardEveryRow) differ by at most a block's remainder."""
+    blocks_per_worker = max(1, math.ceil(rows / (workers * BATCH_ROWS)))
+    return max(1, math.ceil(rows / (workers * blocks_per_worker)))
 
 
 def _rows(table: pa.Table, data, path: Path, tokenizer: str | None) -> dict[str, np.ndarray]:
@@ -75,15 +84,19 @@ def _rows(table: pa.Table, data, path: Path, tokenizer: str | None) -> dict[str,
 
 class ShardEveryRow(DataConfig):
     """Ray Train's default split (`equal=True`) may drop rows so that every worker gets as
-    many; Poisson sampling needs every row in exactly one shard, so shard sizes may differ."""
+    many; Poisson sampling needs every row in exactly one shard, so shard sizes may differ.
+
+    Rank r gets the r-th of W contiguous runs of blocks, in file order: the same rows for the
+    same files and W wherever the workers run (a streaming split hands blocks to whichever
+    worker asks first), so a seeded run samples the same examples on one node or several.
+    The split is tokenized on the cluster first; each worker then reads only its blocks."""
 
     def configure(self, datasets, world_size: int, worker_handles, worker_node_ids, **kwargs):
         shards = [{} for _ in range(world_size)]
         for name, dataset in datasets.items():
-            dataset.context.execution_options.preserve_order = True  # 1 worker: file order
-            for rank, shard in enumerate(dataset.streaming_split(
-                    world_size, equal=False, locality_hints=worker_node_ids)):
-                shards[rank][name] = shard
+            dataset.context.execution_options.preserve_order = True  # blocks in file order
+            for rank, shard in enumerate(dataset.split(world_size, equal=False)):
+                shards[rank][name] = shard.iterator()
         return shards
 
 

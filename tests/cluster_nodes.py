@@ -4,6 +4,8 @@ benchmarks (issue 28): the network between them is a real one, of limited bandwi
     switch namespace  <prefix>-sw   a bridge, no address
     node namespaces   <prefix>-n0 (head), <prefix>-n1, ...   eth0 10.213.<k>.<i + 1>/24, lo
                        up, a veth into the bridge, both directions shaped by `tbf`
+    client namespace  <prefix>-c    eth0 10.213.<k>.200, the same, but no Ray: a user's
+                       machine outside the cluster (`ray job submit` from there)
 
 No namespace has a default route, and every address is inside the namespaces made here, so
 no traffic leaves them. Each node runs `ray start` in its namespace with its own
@@ -15,6 +17,7 @@ then the namespace deleted; never by process name. Needs root and the `ip` and `
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -27,6 +30,7 @@ from pathlib import Path
 
 BIN = Path(sys.executable).parent
 GCS_PORT, DASHBOARD_PORT = 6379, 8265
+_CLUSTERS_MADE = itertools.count()
 
 
 @dataclass
@@ -41,6 +45,7 @@ class Cluster:
     prefix: str
     switch: str
     nodes: list[Node] = field(default_factory=list)
+    client: Node | None = None  # a machine on the network that runs no Ray: "outside"
 
     @property
     def head(self) -> Node:
@@ -60,6 +65,22 @@ class Cluster:
                               env=node_env(node), timeout=timeout, check=False,
                               capture_output=True, text=True, **options)
 
+    def start(self, node: Node, command: list[str], **options) -> subprocess.Popen:
+        """`command` inside the node's namespace, in the background."""
+        return subprocess.Popen(["ip", "netns", "exec", node.namespace, *command],
+                                env=node_env(node), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, **options)
+
+    def restart(self, cpus: int = 2) -> None:
+        """Kill every node's processes, then start Ray afresh on the same namespaces (a new
+        head, the other nodes joined to it): what an operator does after losing the head."""
+        for node in self.nodes:
+            self.kill(node)
+        time.sleep(1)
+        for node in self.nodes:
+            _start_ray(self, node, cpus)
+        _wait_for_nodes(self, len(self.nodes))
+
     def kill(self, node: Node) -> list[int]:
         """kill -9 every process of the node (by its namespace); the PIDs killed."""
         pids = namespace_pids(node.namespace)
@@ -71,12 +92,13 @@ class Cluster:
         return pids
 
     def stop(self) -> None:
-        for node in self.nodes:
+        machines = self.nodes + ([self.client] if self.client else [])
+        for node in machines:
             self.kill(node)
         time.sleep(0.5)
-        for namespace in [node.namespace for node in self.nodes] + [self.switch]:
+        for namespace in [node.namespace for node in machines] + [self.switch]:
             subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)
-        for node in self.nodes:
+        for node in machines:
             shutil.rmtree(node.temp, ignore_errors=True)
 
 
@@ -113,11 +135,12 @@ def namespace_pids(namespace: str) -> list[int]:
     return [int(pid) for pid in done.stdout.split()]
 
 
-def start_cluster(nodes: int = 2, cpus: int = 2, rate: str = "1gbit") -> Cluster:
+def start_cluster(nodes: int = 2, cpus: int = 2, rate: str | None = "1gbit") -> Cluster:
     """`nodes` Ray nodes (the first is the head), each with `cpus` logical CPUs, on links of
-    `rate` each way (tbf)."""
-    prefix = f"rdp{os.getpid() % 100000}"
-    subnet = 10 + os.getpid() % 200  # 10.213.<subnet>.0/24: one per test process
+    `rate` each way (tbf; None: unshaped, as fast as the kernel moves packets)."""
+    made = next(_CLUSTERS_MADE)  # several clusters of one process may live at once
+    prefix = f"rdp{os.getpid() % 100000}{made}"
+    subnet = 10 + (os.getpid() + made) % 200  # 10.213.<subnet>.0/24: one per cluster
     cluster = Cluster(prefix, f"{prefix}-sw")
     try:
         _ip("netns", "add", cluster.switch)
@@ -128,6 +151,9 @@ def start_cluster(nodes: int = 2, cpus: int = 2, rate: str = "1gbit") -> Cluster
                         Path(tempfile.mkdtemp(prefix=f"{prefix}n{index}", dir="/tmp")))
             cluster.nodes.append(node)
             _connect(cluster, node, index, rate)
+        cluster.client = Node(f"{prefix}-c", f"10.213.{subnet}.200",
+                              Path(tempfile.mkdtemp(prefix=f"{prefix}c", dir="/tmp")))
+        _connect(cluster, cluster.client, 99, rate)
         for node in cluster.nodes:
             _start_ray(cluster, node, cpus)
         _wait_for_nodes(cluster, nodes)
@@ -137,7 +163,7 @@ def start_cluster(nodes: int = 2, cpus: int = 2, rate: str = "1gbit") -> Cluster
     return cluster
 
 
-def _connect(cluster: Cluster, node: Node, index: int, rate: str) -> None:
+def _connect(cluster: Cluster, node: Node, index: int, rate: str | None) -> None:
     inside, outside = f"{cluster.prefix}v{index}a", f"{cluster.prefix}v{index}b"
     _ip("netns", "add", node.namespace)
     _ip("link", "add", inside, "type", "veth", "peer", "name", outside)
@@ -149,9 +175,22 @@ def _connect(cluster: Cluster, node: Node, index: int, rate: str) -> None:
     _in(node.namespace, "ip", "link", "set", inside, "name", "eth0")
     _in(node.namespace, "ip", "addr", "add", f"{node.ip}/24", "dev", "eth0")
     _in(node.namespace, "ip", "link", "set", "eth0", "up")
-    shape = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
-    _in(node.namespace, "tc", "qdisc", "add", "dev", "eth0", *shape)  # the node sends
-    _in(cluster.switch, "tc", "qdisc", "add", "dev", outside, *shape)  # the node receives
+    if rate is not None:
+        _in(node.namespace, "tc", "qdisc", "add", "dev", "eth0", *tbf(rate))  # the node sends
+        _in(cluster.switch, "tc", "qdisc", "add", "dev", outside, *tbf(rate))  # it receives
+
+
+def tbf(rate: str) -> list[str]:
+    """A root token-bucket qdisc of `rate` (tc's units: 100mbit, 1gbit), as `tc qdisc` words."""
+    return ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+
+
+def netem_available(cluster: Cluster) -> bool:
+    """Whether this kernel has sch_netem (delay): some minimal kernels ship without it."""
+    node = cluster.head
+    added = cluster.run(node, ["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"])
+    cluster.run(node, ["tc", "qdisc", "del", "dev", "lo", "root"])
+    return added.returncode == 0
 
 
 def _start_ray(cluster: Cluster, node: Node, cpus: int) -> None:

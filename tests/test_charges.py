@@ -16,24 +16,65 @@ from raydp_train.train.charges import (
 )
 
 
-def test_charges_add_up_and_survive_a_new_ledger(tmp_path):
+def _run_epoch(ledger, epoch: int, first_step: int, steps: int, ran: int | None = None,
+               release: bool = False, request: str = "") -> None:
+    """Charge an epoch of `steps` steps (and a metric release), then mark the first `ran`."""
+    ledger.charge(Charged(steps, int(release)), request, epoch, first_step)
+    for step in range(first_step, first_step + (steps if ran is None else ran)):
+        ledger.mark_step(step)
+    if release and ran is None:
+        ledger.mark_release(epoch)
+
+
+def test_charges_add_up_and_a_new_attempt_counts_what_the_dead_one_released(tmp_path):
     first = ChargeLedger(str(tmp_path))
-    assert first.charge(Charged(10, 1)) == (10, 1)
-    assert first.charge(Charged(13, 1)) == (23, 2)
-    # A restarted worker group opens the same run directory: nothing recorded is lost,
-    # and its new charge counts once.
+    assert first.charge(Charged(10, 1), "r1", 1, 0) == (10, 1)
+    for step in range(10):
+        first.mark_step(step)
+    first.mark_release(1)
+    assert first.charge(Charged(13, 1), "r2", 2, 10) == (23, 2)  # write-ahead: in full
+    for step in range(10, 15):  # killed after releasing 5 of its 13 steps, and no metric
+        first.mark_step(step)
+    # The restarted worker group is a new attempt: the dead one counts what it released.
     restarted = ChargeLedger(str(tmp_path))
-    assert restarted.total() == (23, 2)
-    assert restarted.charge(Charged(13)) == (36, 2)
-    assert ChargeLedger(str(tmp_path)).total() == (36, 2)
+    assert restarted.total() == (15, 1)
+    assert restarted.dead_closings() == [("r1", 10, 1), ("r2", 5, 0)]
+    assert restarted.charge(Charged(13, 1), "r3", 2, 10) == (28, 2)  # epoch 2 runs again
     assert len(list((tmp_path / "charges").glob("*.json"))) == 3
+    # A later attempt reads both logs; the restarted one released nothing yet.
+    assert ChargeLedger(str(tmp_path)).total() == (15, 1)
+
+
+def test_a_charge_without_its_release_log_counts_in_full(tmp_path):
+    """An object store keeps no log, a legacy record names no attempt, a log can be lost or
+    torn: never count less than may have been released."""
+    first = ChargeLedger(str(tmp_path))
+    _run_epoch(first, 1, 0, 10, ran=3)
+    (log,) = (tmp_path / "charges").glob("released-*.log")
+    assert ChargeLedger(str(tmp_path)).total() == (3, 0)
+    log.write_text("step 0\nstep 1\nste")
+    assert ChargeLedger(str(tmp_path)).total() == (10, 0)
+    log.unlink()
+    assert ChargeLedger(str(tmp_path)).total() == (10, 0)
+    (tmp_path / "charges" / "0-legacy.json").write_text('{"steps": 7, "releases": 1}')
+    assert ChargeLedger(str(tmp_path)).total() == (17, 1)
+
+
+def test_a_withdrawn_charge_never_counts(tmp_path):
+    ledger = ChargeLedger(str(tmp_path))
+    _run_epoch(ledger, 1, 0, 10)
+    ledger.charge(Charged(10, 1), "refused", 2, 10)
+    ledger.withdraw(Charged(10, 1))
+    assert ledger.total() == (10, 0)
+    assert ChargeLedger(str(tmp_path)).total() == (10, 0)
 
 
 def test_an_unfinished_write_is_not_counted(tmp_path):
     ledger = ChargeLedger(str(tmp_path))
     ledger.charge(Charged(4))
     (tmp_path / "charges" / ".partial.json.tmp").write_text('{"steps": 99}')
-    assert ChargeLedger(str(tmp_path)).total() == (4, 0)
+    assert ledger.total() == (4, 0)
+    assert ChargeLedger(str(tmp_path)).total() == (0, 0)  # no step of it was released
 
 
 class _InProcessBudget:
@@ -42,9 +83,12 @@ class _InProcessBudget:
     def __init__(self, accountant):
         self.accountant, self.calls = accountant, 0
 
-    def reserve(self, owner, spend):
+    def reserve(self, owner, spend, request_id=""):
         self.calls += 1
-        return self.accountant.reserve(f"request-{self.calls}", owner, spend)
+        return self.accountant.reserve(request_id or f"request-{self.calls}", owner, spend)
+
+    def close_requests(self, closings):
+        return self.accountant.close_requests(closings)
 
     def settle(self, decision, steps_done, releases_done=0):
         self.calls += 1
@@ -110,3 +154,43 @@ def test_a_run_under_a_reservation_made_elsewhere_never_charges_past_it():
     with pytest.raises(ChargeRefused, match="would charge 101 and 5"):
         account.charge(Charged(1, 0))
     assert account.total() == (100, 5)
+
+
+def test_a_restart_settles_the_dead_attempts_reservation_with_what_it_released(tmp_path):
+    """The budget granted epoch 2 in full; its attempt died after 6 of 20 steps. The new
+    attempt's first charge first returns the 14 never released, so the budget counts exactly
+    the steps released: 20 + 6 + the rerun's 20."""
+    plan = _plan()
+    accountant = BudgetAccountant(str(tmp_path / "ledger"), BudgetTerms("b", 100.0, 1e-5))
+    budget = _InProcessBudget(accountant)
+    dead = RunAccount(ChargeLedger(str(tmp_path / "run")), budget, "run-1", plan)
+    dead.charge(Charged(20, 1), epoch=1, first_step=0)
+    for step in range(20):
+        dead.releasing_step(step)
+    dead.releasing_metric(1)
+    dead.settle(Charged(20, 1))
+    dead.charge(Charged(20, 1), epoch=2, first_step=20)
+    for step in range(20, 26):
+        dead.releasing_step(step)
+    assert accountant.status()["owners"]["run-1"]["steps_reserved"] == 20
+
+    restarted = RunAccount(ChargeLedger(str(tmp_path / "run")), budget, "run-1", plan)
+    assert restarted.total() == (26, 1)
+    assert restarted.charge(Charged(20, 1), epoch=2, first_step=20) == (46, 2)
+    owner = accountant.status()["owners"]["run-1"]
+    assert (owner["steps_spent"], owner["steps_reserved"]) == (26, 20)
+    # Closing again (another restart) changes nothing: each reservation settles once.
+    assert accountant.close_requests(restarted.record.dead_closings()) == 0
+
+
+def test_a_refused_reservation_is_withdrawn_from_the_record(tmp_path):
+    plan = _plan()
+    accountant = BudgetAccountant(str(tmp_path / "ledger"),
+                                  BudgetTerms("b", plan.epsilon(20, releases=1) * 1.1, 1e-5))
+    account = RunAccount(ChargeLedger(str(tmp_path / "run")), _InProcessBudget(accountant),
+                         "run-1", plan)
+    account.charge(Charged(20, 1), epoch=1)
+    with pytest.raises(ChargeRefused, match="budget exhausted"):
+        account.charge(Charged(20, 1), epoch=2, first_step=20)
+    assert account.total() == (20, 1)
+    assert len(list((tmp_path / "run" / "charges").glob("*.json"))) == 1

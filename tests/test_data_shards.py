@@ -50,6 +50,12 @@ def test_the_shards_partition_the_training_rows(ray_session, tmp_path):
     shards = shards_of(datasets, 3)
     rows = np.concatenate([features[:, 0] for features, _ in shards]).astype(int)
     assert len(rows) == ROWS and set(rows) == set(range(ROWS))  # disjoint, and cover all
+    # Contiguous, in file order, and the same rows every time: a seeded run samples the same
+    # examples whichever worker asks for its shard first, on one node or several.
+    np.testing.assert_array_equal(rows, np.arange(ROWS))
+    again = shards_of(split_datasets(pipeline), 3)
+    for (features, _), (repeated, _) in zip(shards, again, strict=True):
+        np.testing.assert_array_equal(features, repeated)
     assert sum(len(features) > 0 for features, _ in shards) > 1  # the rows were shared
     for features, labels in shards:  # each row keeps its own label and features
         np.testing.assert_array_equal(labels, features[:, 0].astype(int) % 3)

@@ -22,6 +22,12 @@ from raydp_train.train.step import cross_entropy_loss
 from raydp_train.train.trainer import fit
 
 QUICKSTART = str(Path(__file__).parents[1] / "pipelines" / "quickstart.yaml")
+
+
+def released_or_one_more(released: int) -> tuple[int, int]:
+    """The steps a run with an injected failure counts: those released, and possibly the one
+    rank 0 marked and drew noise for before it learnt that rank 1 had failed."""
+    return released, released + 1
 SIGMA, CLIP = 50.0, 1.0
 
 
@@ -90,25 +96,27 @@ def test_worker_failure_resumes_and_counts_every_step_run(ray_session, tmp_path)
     result = fit(pipeline, plan, tmp_path / "run", on_epoch=rows.append, fail_at_step=15)
     assert (tmp_path / "run" / ".injected_failure").exists()  # it did fail once
     assert result.steps_done == 30
-    # Epoch 2 was charged before it ran, ran to step 15, crashed; after the restart from the
-    # epoch-1 checkpoint it was charged and run again: 30 + 10 charged, 35 actually run.
-    steps_actually_run = 10 + 5 + 20
-    assert result.steps_charged == 40 >= steps_actually_run
-    assert result.metrics[-1]["epsilon"] == pytest.approx(plan.epsilon(40))
+    # Epoch 2 was charged before it ran, released steps 10-14, and rank 1 failed; after the
+    # restart from the epoch-1 checkpoint it was charged and run again. The steps released
+    # count, not the dead attempt's whole epoch: 10 + 5 + 20, and step 15 if rank 0 had
+    # drawn its noise before it learnt of the failure.
+    assert result.steps_charged in released_or_one_more(10 + 5 + 20)
+    assert result.metrics[-1]["epsilon"] == pytest.approx(plan.epsilon(result.steps_charged))
     assert [r["epoch"] for r in result.metrics] == [1, 2, 3]
 
 
 def test_a_restart_never_takes_a_calibrated_run_past_its_target_epsilon(ray_session, tmp_path):
-    """The restart after a crash in epoch 2 charges epoch 2 again; the third epoch would then
-    pass privacy.target_epsilon, so the run stops after the second and says why."""
+    """The restart after a crash in epoch 2 (5 of its steps released) charges epoch 2 again;
+    the third epoch would then pass privacy.target_epsilon, so the run stops after the
+    second and says why."""
     base = small_pipeline(2, epochs=3).model_dump()
     pipeline = pipeline_from_dict({**base, "privacy": {"target_epsilon": 2.0, "clip_norm": CLIP,
                                                        "delta": 1e-5}})
     plan = make_plan(pipeline, 640)
-    assert plan.noise_calibrated and plan.epsilon(30) <= 2.0 < plan.epsilon(40)
+    assert plan.noise_calibrated and plan.epsilon(30) <= 2.0 < plan.epsilon(35)
     result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, fail_at_step=15)
     assert result.stop_reason.startswith("target epsilon reached")
-    assert result.steps_done == 20 and result.steps_charged == 30  # epoch 2 charged twice
+    assert result.steps_done == 20 and result.steps_charged in released_or_one_more(25)
     assert plan.epsilon(result.steps_charged) <= 2.0
     assert [r["epoch"] for r in result.metrics] == [1, 2]
 
@@ -116,14 +124,15 @@ def test_a_restart_never_takes_a_calibrated_run_past_its_target_epsilon(ray_sess
 def test_a_restart_never_takes_a_random_stopping_trial_past_its_reservation(ray_session,
                                                                             tmp_path):
     """A sweep's one reservation pays for each trial's planned steps (fixed sigma: no target
-    to stop at). The restart after a crash in epoch 2 charges epoch 2 again; the third epoch
-    would then charge more than was reserved, so the trial stops after the second."""
+    to stop at). The restart after a crash in epoch 2 (5 of its steps released) charges epoch
+    2 again; the third epoch would then charge more than was reserved, so the trial stops
+    after the second."""
     pipeline = small_pipeline(2, epochs=3)
     plan = make_plan(pipeline, 640)
     result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, fail_at_step=15,
                  ceiling=planned_charges(plan))
     assert result.stop_reason.startswith("reservation used up")
-    assert result.steps_done == 20 and result.steps_charged == 30 == plan.steps
+    assert result.steps_done == 20 and result.steps_charged in released_or_one_more(25)
 
 
 def test_cli_run_on_ray_then_report(ray_session, tmp_path, capsys):
@@ -165,7 +174,7 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(ray_session, tmp_path)
     with pytest.raises(TrainingFailedError):
         fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, fail_at_step=15)
     result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
-    assert result.steps_done == 30 and result.steps_charged == 40
+    assert result.steps_done == 30 and result.steps_charged in released_or_one_more(35)
     assert [r["epoch"] for r in result.metrics] == [1, 2, 3]
     # The schedule went on from the checkpoint's step 10, not from 0: lr(k) = lr (1 + cos(pi k
     # / 30)) / 2 after k = 10, 20, 30 steps.

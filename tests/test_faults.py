@@ -79,7 +79,7 @@ def test_ctrl_c_stops_before_the_next_epoch_and_the_resume_stays_within_the_targ
     assert main(resumed) == 0
     privacy = json.loads((run_dir / "privacy.json").read_text())
     assert privacy["steps"] == privacy["planned_steps"] == 500  # 40 epochs of 12.5 steps
-    assert privacy["steps_charged_twice"] == 0
+    assert privacy["steps_run_again"] == 0
     assert privacy["epsilon"] <= 3.0
     kept = sorted(json.loads((c / "progress.json").read_text())["epoch"]
                   for c in checkpoints(run_dir))

@@ -11,7 +11,12 @@ import pytest
 from raydp_train.privacy import ledger as ledger_module
 from raydp_train.privacy.budget import BudgetTerms, Spend, replay
 from raydp_train.privacy.budget_accountant import BudgetAccountant
-from raydp_train.privacy.ledger import BudgetLedger, LedgerError, check_ledger_location
+from raydp_train.privacy.ledger import (
+    BudgetLedger,
+    LedgerCorruptError,
+    LedgerError,
+    check_ledger_location,
+)
 from raydp_train.reports.budget import budget_status, ledger_rows
 
 SPEND = Spend(0.02, 1.0, 200)  # about 10 fit: few decisions, each one a real race
@@ -85,7 +90,10 @@ def test_a_plain_replace_instead_of_an_exclusive_create_would_lose_a_row(tmp_pat
                         lambda temporary, final: os.replace(temporary, final) or True)
     first.reserve("r1", "a", SPEND)
     second.reserve("r2", "b", SPEND)  # replaces r1's fragment: r1's grant is gone
-    assert sum(row["kind"] == "reserve" for row in ledger_rows("b", str(tmp_path / "shared"))) == 1
+    # ... and the head marker, which names r1's fragment, notices: the ledger fails closed.
+    with pytest.raises(LedgerCorruptError, match="000000000001.parquet is not the one the "
+                                                 "head marker names"):
+        ledger_rows("b", str(tmp_path / "shared"))
 
 
 def test_a_retransmitted_link_that_succeeded_counts_as_committed(tmp_path, monkeypatch):

@@ -224,7 +224,7 @@ def test_file_errors_name_the_file(tmp_path):
     path.write_text(MINIMAL_YAML + "training:\n  epochs: 0\n")
     with pytest.raises(PipelineError) as info:
         load_pipeline(path)
-    expected = f"cannot load pipeline config {path}:\n  training.epochs: must be > 0, got 0"
+    expected = f"cannot load pipeline config {path}: training.epochs: must be > 0, got 0"
     assert str(info.value) == expected
 
 

@@ -18,7 +18,8 @@ from raydp_train.errors import UserError
 
 
 class PipelineError(UserError, ValueError):
-    """A config that cannot be used; str() is a header naming `source`, then one line per problem."""
+    """A config that cannot be used; str() names `source` and its problem on one line, or
+    is a header naming `source`, then one line per problem."""
 
     def __init__(self, source: str, problems: Sequence[str]) -> None:
         self.source = source
@@ -26,6 +27,8 @@ class PipelineError(UserError, ValueError):
         super().__init__(source, self.problems)
 
     def __str__(self) -> str:
+        if len(self.problems) == 1:  # one problem, one line
+            return f"cannot load pipeline config {self.source}: {self.problems[0]}"
         lines = [f"cannot load pipeline config {self.source}:"]
         return "\n".join(lines + [f"  {p}" for p in self.problems])
 

@@ -34,6 +34,7 @@ from raydp_train.config.errors import FieldProblem, PipelineError, describe, sho
 from raydp_train.config.paths import resolve_relative_paths
 from raydp_train.config.sweep import BudgetConfig, TuneConfig
 from raydp_train.config.training import ParamGroup, TrainingConfig
+from raydp_train.config.yaml_text import YamlLimitError, load_bounded
 
 __all__ = [
     "BudgetConfig",
@@ -247,9 +248,11 @@ def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> Pipeline:
     except OSError as e:
         raise PipelineError(source, [f"cannot read file: {e.strerror or e}"]) from None
     try:
-        raw = yaml.safe_load(text)
+        raw = load_bounded(text)
     except yaml.YAMLError as e:
         raise PipelineError(source, [yaml_problem(e)]) from None
+    except YamlLimitError as e:
+        raise PipelineError(source, [str(e)]) from None
     if isinstance(raw, dict):
         resolve_relative_paths(raw, Path(path).absolute().parent)
     return pipeline_from_dict(raw, overrides, source)
@@ -296,9 +299,11 @@ def _apply_one(raw: dict, text: str) -> None:
         raise ValueError("expected KEY=VALUE with a dotted KEY, e.g. training.lr=0.01 or "
                          "training.param_groups[0].lr=0.01")
     try:
-        value = yaml.safe_load(value_text)
+        value = load_bounded(value_text)
     except yaml.YAMLError as e:
         raise ValueError(f"value is not valid YAML ({yaml_problem(e)})") from None
+    except YamlLimitError as e:
+        raise ValueError(f"value refused: {e}") from None
     # PyYAML (YAML 1.1) reads `1e-5` as a string; on the command line it is always a number.
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
         value = float(value)

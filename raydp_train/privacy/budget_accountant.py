@@ -71,6 +71,23 @@ class BudgetAccountant:
         row = self.book.answers[request_id]
         return self.book.reservations[reservation].spend.steps - row["steps"]
 
+    def close_requests(self, closings: list[tuple[str, int, int]]) -> int:
+        """Settle what a dead attempt of a run reserved: each (reserve request id, steps done,
+        releases done) closes the reservation that request was granted, if it is still open.
+        A request that was refused or never arrived reserved nothing. Returns how many closed."""
+        self._usable()
+        closed = 0
+        for request_id, steps_done, releases_done in closings:
+            row = self.book.answers.get(request_id, {})
+            held = self.book.reservations.get(row.get("reservation", ""))
+            if held is None or held.settled is not None:  # refused, lost, settled or reset
+                continue
+            if steps_done > held.spend.steps or releases_done > held.spend.releases:
+                continue  # more than was granted cannot be: stays counted in full
+            self.settle(f"{request_id}:closed", row["reservation"], steps_done, releases_done)
+            closed += 1
+        return closed
+
     def status(self) -> dict:
         self._usable()
         self._catch_up()  # other writers may have spent since this accountant last wrote

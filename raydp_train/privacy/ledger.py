@@ -23,12 +23,23 @@ How the exclusive create is made, and where it holds:
 Reading checks every fragment: an unreadable one, a gap in the sequence or a duplicate number
 is an error that names the file, never a row silently dropped. Fragments named
 ``<seq>-<kind>-<id>.parquet`` (written before exclusive creates) are read alike.
+
+The ledger is tamper-evident. Each fragment carries the SHA-256 of the row before it
+(`prev_hash`: a hash chain), so a fragment edited, replaced or moved breaks the link to the
+next one; and after each commit the writer points the head marker ``HEAD`` (the newest
+sequence number and its row's hash, replaced atomically, never moved back) at it, so a
+missing tail (the newest fragments deleted, a backup restored) is noticed: fewer fragments
+than the marker names. Either fails closed, naming the fragment. What it cannot notice: the
+tail deleted together with the marker rolled back to match (or deleted: a ledger without a
+marker is read as it is), or a forger who rewrites every hash after an edit.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
+import json
 import os
 import uuid
 from pathlib import Path
@@ -59,7 +70,12 @@ LEDGER_SCHEMA = pa.schema([
     ("accountant", pa.string()),
     ("timestamp", pa.float64()),
     ("running_epsilon", pa.float64()),  # epsilon of everything counted after this row
+    ("prev_hash", pa.string()),  # SHA-256 of the row before ("" for the first): the chain
 ])
+# Ledgers written before the chain: read alike, their rows linked by no hash.
+UNCHAINED_SCHEMA = pa.schema([f for f in LEDGER_SCHEMA if f.name != "prev_hash"])
+KINDS = ("open", "reserve", "settle", "reset")
+HEAD = "HEAD"  # the head marker: {"seq": newest, "hash": its row's hash}
 
 _SEQ_DIGITS = 12
 # Errors of link(2) that mean "this filesystem has no hard links", not "the disk failed".
@@ -106,6 +122,7 @@ class BudgetLedger:
         self.directory = f"{base.rstrip('/')}/{budget}"
         if create:
             self._make_directory()
+        self._newest: tuple[int, str] | None = None  # (seq, hash) of the newest row seen
 
     def append(self, row: dict) -> None:
         """Durably commit `row` as fragment number row['seq'].
@@ -115,6 +132,7 @@ class BudgetLedger:
         grants nothing; should its fragment have landed all the same, a writer reads it the
         next time the number is taken, and it counts, conservatively)."""
         name = fragment_name(row["seq"])
+        row["prev_hash"] = self._hash_before(row["seq"])
         buffer = io.BytesIO()
         pq.write_table(pa.Table.from_pylist([row], schema=LEDGER_SCHEMA), buffer)
         temporary = f"{self.directory}/.{name}.{uuid.uuid4().hex}.tmp"
@@ -130,21 +148,106 @@ class BudgetLedger:
         if not committed:
             raise FragmentTaken(f"ledger {self.uri}: fragment {name} was committed by another "
                                 "writer")
+        self._newest = (row["seq"], row_hash(row))
+        self._move_head(*self._newest)
 
     def rows(self) -> list[dict]:
-        """Every committed row in sequence order, after checking each fragment."""
-        selector = fs.FileSelector(self.directory, allow_not_found=True)
-        infos = [i for i in self.filesystem.get_file_info(selector)
-                 if i.type == fs.FileType.File and not i.base_name.startswith(".")]
-        rows = [self._read(info.path, info.base_name)
-                for info in sorted(infos, key=lambda i: i.base_name)]
+        """Every committed row in sequence order, after checking each fragment, the chain
+        of hashes that links them and the head marker."""
+        rows = [self._read(info.path, info.base_name) for info in self._fragments()]
         for expected, row in enumerate(rows):
             if row["seq"] != expected:
                 raise LedgerCorruptError(
                     f"ledger {self.uri}: expected fragment number {expected}, found "
                     f"{row['seq']} ({row['fragment']}): a fragment is missing or duplicated"
                 )
+            self._check_link(row_hash(rows[expected - 1]) if expected else "", row)
+        self._check_head(rows)
+        if rows:
+            self._newest = (rows[-1]["seq"], row_hash(rows[-1]))
         return rows
+
+    def head(self) -> tuple[int, str] | None:
+        """The head marker: (newest sequence number, its row's hash), or None if there is none."""
+        path = f"{self.directory}/{HEAD}"
+        try:
+            info = self.filesystem.get_file_info(path)
+            if info.type == fs.FileType.NotFound:
+                return None
+            with self.filesystem.open_input_stream(path) as stream:
+                marker = json.loads(stream.read())
+            return int(marker["seq"]), str(marker["hash"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise LedgerCorruptError(f"ledger {self.uri}: the head marker {HEAD} is "
+                                     f"unreadable: {error}") from error
+
+    def _fragments(self) -> list[fs.FileInfo]:
+        """The fragment files in name order; anything else there (a directory where a
+        fragment should be) is an error that names it."""
+        selector = fs.FileSelector(self.directory, allow_not_found=True)
+        try:
+            infos = self.filesystem.get_file_info(selector)
+        except OSError as error:  # e.g. a file where the budget's directory should be
+            raise LedgerCorruptError(f"budget.ledger: cannot read {self.uri}: it is not a "
+                                     "directory of ledger fragments") from error
+        fragments = []
+        for info in sorted(infos, key=lambda i: i.base_name):
+            if info.base_name.startswith(".") or info.base_name == HEAD:
+                continue
+            if info.type != fs.FileType.File or not info.base_name.endswith(".parquet"):
+                raise LedgerCorruptError(f"ledger {self.uri}: {info.base_name} is not a "
+                                         "fragment file: the ledger was altered")
+            fragments.append(info)
+        return fragments
+
+    def _check_link(self, hash_before: str, row: dict) -> None:
+        """A chained row must name the hash of the row before it (`hash_before`)."""
+        if row["prev_hash"] is not None and row["prev_hash"] != hash_before:
+            raise LedgerCorruptError(
+                f"ledger fragment {self.uri}/{row['fragment']} does not follow the fragment "
+                "before it: one of them was edited, replaced or moved")
+
+    def _check_head(self, rows: list[dict]) -> None:
+        head = self.head()
+        if head is None:
+            return
+        seq, digest = head
+        if seq >= len(rows):
+            raise LedgerCorruptError(
+                f"ledger {self.uri}: the head marker names fragment {fragment_name(seq)}, but "
+                f"only {len(rows)} fragments are there: the newest were deleted (a truncated "
+                "ledger would count less than was spent)")
+        if row_hash(rows[seq]) != digest:
+            raise LedgerCorruptError(
+                f"ledger fragment {self.uri}/{rows[seq]['fragment']} is not the one the head "
+                "marker names: it was edited or replaced")
+
+    def _hash_before(self, seq: int) -> str:
+        """The hash of row `seq - 1` ("" for the first), as the chain needs it."""
+        if seq == 0:
+            return ""
+        if self._newest is not None and self._newest[0] == seq - 1:
+            return self._newest[1]
+        name = fragment_name(seq - 1)
+        return row_hash(self._read(f"{self.directory}/{name}", name))
+
+    def _move_head(self, seq: int, digest: str) -> None:
+        """Point the head marker at fragment `seq`, unless it already names a newer one (a
+        writer that lost the race to a newer commit must not move it back)."""
+        current = self.head()
+        if current is not None and current[0] >= seq:
+            return
+        path = f"{self.directory}/{HEAD}"
+        temporary = f"{self.directory}/.{HEAD}.{uuid.uuid4().hex}.tmp"
+        try:
+            _write_durably(temporary, json.dumps({"seq": seq, "hash": digest}).encode())
+            os.replace(temporary, path)
+            _sync_directory(self.directory)
+        except OSError as error:
+            raise LedgerError(f"cannot write the ledger's head marker {self.uri}/{HEAD}: "
+                              f"{error}") from error
+        finally:
+            _remove_quietly(temporary)
 
     def rows_from(self, seq: int) -> list[dict]:
         """The rows committed from number `seq` on (what a writer that lost a race missed).
@@ -156,7 +259,10 @@ class BudgetLedger:
             path = f"{self.directory}/{name}"
             if self.filesystem.get_file_info(path).type != fs.FileType.File:
                 return rows
-            rows.append(self._read(path, name))
+            row = self._read(path, name)
+            self._check_link(row_hash(rows[-1]) if rows else self._hash_before(seq), row)
+            rows.append(row)
+            self._newest = (row["seq"], row_hash(row))
 
     def _read(self, path: str, name: str) -> dict:
         shown = f"{self.uri}/{name}"
@@ -165,13 +271,18 @@ class BudgetLedger:
                 table = pq.read_table(stream)
         except (OSError, pa.ArrowInvalid) as error:
             raise LedgerCorruptError(f"ledger fragment {shown} is unreadable: {error}") from error
-        if not table.schema.equals(LEDGER_SCHEMA) or table.num_rows != 1:
+        chained = table.schema.equals(LEDGER_SCHEMA)
+        if not (chained or table.schema.equals(UNCHAINED_SCHEMA)) or table.num_rows != 1:
             raise LedgerCorruptError(
                 f"ledger fragment {shown} does not hold exactly one row of the ledger schema"
             )
         row = table.to_pylist()[0]
-        if not name.startswith(f"{row['seq']:0{_SEQ_DIGITS}d}"):
+        row.setdefault("prev_hash", None)
+        if row["seq"] is None or not name.startswith(f"{row['seq']:0{_SEQ_DIGITS}d}"):
             raise LedgerCorruptError(f"ledger fragment {shown} holds row number {row['seq']}")
+        if row["kind"] not in KINDS:
+            raise LedgerCorruptError(f"ledger fragment {shown} has kind {row['kind']!r}, not "
+                                     f"one of {', '.join(KINDS)}")
         row["fragment"] = name
         return row
 
@@ -187,6 +298,21 @@ class BudgetLedger:
                     f"fragment cannot be created exclusively ({error}); use a local directory "
                     "or NFS")
         return f"cannot write ledger fragment {self.uri}/{name}: {error}"
+
+
+def row_hash(row: dict) -> str:
+    """SHA-256 of a row's recorded fields (its link to the row before included)."""
+    fields = {field.name: _as_stored(field.type, row.get(field.name)) for field in LEDGER_SCHEMA}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _as_stored(kind: pa.DataType, value):
+    """A value as Parquet gives it back (1 written to a float column reads as 1.0)."""
+    if value is None:
+        return None
+    if pa.types.is_floating(kind):
+        return float(value)
+    return int(value) if pa.types.is_integer(kind) else str(value)
 
 
 def fragment_name(seq: int) -> str:

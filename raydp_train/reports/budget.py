@@ -16,7 +16,7 @@ from raydp_train.privacy.budget import (
     check_same_terms,
     replay,
 )
-from raydp_train.privacy.ledger import BudgetLedger, LedgerError, as_uri
+from raydp_train.privacy.ledger import BudgetLedger, as_uri
 
 HISTORY_COLUMNS = ("seq", "time", "kind", "owner", "mechanism", "sampling_rate",
                    "noise_multiplier", "steps", "releases", "running_epsilon")
@@ -29,6 +29,16 @@ def ledger_rows(name: str, ledger: str) -> list[dict]:
     return rows
 
 
+def verify_ledger(name: str, ledger: str) -> dict:
+    """Read every fragment and check the chain and the head marker (raises on any damage)."""
+    reader = BudgetLedger(as_uri(ledger), name, create=False)
+    rows = ledger_rows(name, ledger)
+    head = reader.head()
+    return {"ledger": reader.uri, "fragments": len(rows),
+            "chained": sum(row["prev_hash"] is not None for row in rows),
+            "head": None if head is None else f"fragment {head[0]} (sha256 {head[1][:12]}...)"}
+
+
 def budget_status(name: str, ledger: str) -> dict:
     rows = ledger_rows(name, ledger)
     return replay(rows).status()
@@ -39,12 +49,7 @@ def book_of(config) -> BudgetBook:
     a fresh book if it has no ledger yet; other terms than it was created with are refused,
     as its accountant would."""
     terms = BudgetTerms(config.name, config.epsilon, config.delta, config.accountant)
-    ledger = BudgetLedger(as_uri(config.ledger), config.name, create=False)
-    try:
-        rows = ledger.rows()
-    except OSError as error:  # e.g. a file where the ledger's directory should be
-        raise LedgerError(f"budget.ledger: cannot read {ledger.uri}: "
-                          f"{error.strerror or error}") from None
+    rows = BudgetLedger(as_uri(config.ledger), config.name, create=False).rows()
     book = replay(rows, terms)
     check_same_terms(terms, book.terms)
     return book

@@ -55,10 +55,10 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         "noise_multiplier": plan.noise_multiplier,
         "noise_calibrated": plan.noise_calibrated,
         "clip_norm": plan.clip_norm,
-        "steps": steps_charged,  # every step ever run, restarts included (write-ahead)
+        "steps": steps_charged,  # every step ever released, restarts included
         "planned_steps": plan.steps,
-        # Charged beyond the steps of the final trajectory: repeated after a restart or resume.
-        "steps_charged_twice": max(steps_charged - result.steps_done, 0),
+        # Released beyond the steps of the final trajectory: run again after a restart.
+        "steps_run_again": max(steps_charged - result.steps_done, 0),
         "expected_batch_size": plan.expected_batch_size,
         "num_examples": plan.num_examples,
         "validation_releases": releases,  # noisy counts of correct validation predictions
@@ -97,6 +97,9 @@ def training_statement(pipeline: Pipeline, result) -> dict:
         "training_rows_per_worker": result.shard_sizes,  # they sum to N (ARCHITECTURE.md §2.10)
         "threads_per_worker": result.threads,  # torch's, training.threads_per_worker
         "worker_nodes": result.nodes,  # each rank's node address (training.placement)
+        # The std of the last step's all-reduced sum before / qN (noise + clipped sums): about
+        # sigma C when the noise dominates, whatever the world size (one draw per step).
+        "last_step_sum_std": result.final_step_sum_std,
         # privacy.self_check: each worker's checks of the engine and their seconds
         "engine_self_checks_per_worker": [
             {"checks": count, "seconds": seconds} for count, seconds in result.self_checks],

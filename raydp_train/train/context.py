@@ -47,9 +47,15 @@ class LocalContext:
     def gather(self, value) -> list:
         return [value]
 
-    def charge(self, charge: Charged) -> Charged:
+    def charge(self, charge: Charged, epoch: int = 0, first_step: int = 0) -> Charged:
         """Record `charge` as spent BEFORE running it; the total so far, or ChargeRefused."""
-        return self.account.charge(charge)
+        return self.account.charge(charge, epoch, first_step)
+
+    def releasing_step(self, step: int) -> None:
+        self.account.releasing_step(step)
+
+    def releasing_metric(self, epoch: int) -> None:
+        self.account.releasing_metric(epoch)
 
     def settle(self, used: Charged) -> None:
         self.account.settle(used)
@@ -108,21 +114,30 @@ class RayTrainContext:
         torch.distributed.all_gather_object(values, value)
         return values
 
-    def charge(self, charge: Charged) -> Charged:
-        """Rank 0 reserves and records; every rank waits for its answer and obeys it.
+    def charge(self, charge: Charged, epoch: int = 0, first_step: int = 0) -> Charged:
+        """Rank 0 records and reserves; every rank waits for its answer and obeys it.
         A stop asked for on the driver (Ctrl-C) is obeyed here, before the epoch is charged."""
         answer = None
         if self.rank == 0:
             try:
                 if stop_requested(self.run_dir):
                     raise ChargeRefused("interrupted: stopped before the next epoch was charged")
-                answer = self.account.charge(charge)
+                answer = self.account.charge(charge, epoch, first_step)
             except ChargeRefused as refusal:
                 answer = str(refusal)
         answer = self.gather(answer)[0]
         if isinstance(answer, str):
             raise ChargeRefused(answer)
         return Charged(*answer)
+
+    def releasing_step(self, step: int) -> None:
+        """Rank 0 draws the noise: it marks the step before the all-reduce releases it."""
+        if self.rank == 0:
+            self.account.releasing_step(step)
+
+    def releasing_metric(self, epoch: int) -> None:
+        if self.rank == 0:
+            self.account.releasing_metric(epoch)
 
     def settle(self, used: Charged) -> None:
         if self.rank == 0:

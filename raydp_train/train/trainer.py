@@ -79,7 +79,7 @@ def fit(
     run_dir = Path(run_dir).resolve()
     for name, value in TRAIN_SETTINGS.items():  # a user's own value wins
         os.environ.setdefault(name, value)
-    progress = Queue(actor_options={"num_cpus": 0})
+    progress = Queue(actor_options=on_this_node())
     splits = file_splits(pipeline.data)  # the splits that reach the workers as shards, or None
     config = {
         "pipeline": pipeline.model_dump(mode="json"),
@@ -127,6 +127,16 @@ def fit(
     if len(set(trained.checksums)) != 1:
         raise RuntimeError(f"workers ended with different parameters: {trained.checksums}")
     return trained
+
+
+def on_this_node() -> dict:
+    """Actor options that keep a driver-side helper on the driver's node, as Ray Train keeps
+    its controller: where it would die with a worker node, the run would die with it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"num_cpus": 0,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
 
 
 def _data_for_workers(pipeline: Pipeline, dataset, splits: dict | None) -> dict:
@@ -195,6 +205,10 @@ def _train_loop_per_worker(config: dict) -> TrainResult:
     context = RayTrainContext(config["progress"], account, config["run_dir"], config["splits"],
                               config["concurrent_runs"])
     dataset = None if config["dataset"] is None else ray.get(config["dataset"])
-    result = train(pipeline, plan, context, config["fail_at_step"], dataset, config["data_shape"])
+    try:
+        result = train(pipeline, plan, context, config["fail_at_step"], dataset,
+                       config["data_shape"])
+    finally:
+        account.record.close()
     result.model = result.model.cpu()
     return result

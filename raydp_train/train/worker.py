@@ -138,7 +138,7 @@ def train(
         # exists. A refusal from the global budget stops the run at the last checkpoint.
         epoch_charge = Charged(ends[epoch - 1] - step, plan.releases_per_epoch)
         try:
-            charged = context.charge(epoch_charge)
+            charged = context.charge(epoch_charge, epoch, step)
         except ChargeRefused as refusal:
             result.stop_reason = str(refusal)
             break
@@ -149,6 +149,7 @@ def train(
             sample = poisson_sample(local.num_train, plan.sampling_rate, sampling_generator)
             batches = _micro_batches(local, sample, prefix_outputs,
                                      training.max_physical_batch, context.device)
+            context.releasing_step(step)  # on record before its noisy gradient can leave
             stats = private_step(
                 model, clipper, optimizer, batches, per_example_loss, std,
                 plan.expected_batch_size, noise_generator, context.all_reduce_sum, mechanism,
@@ -172,6 +173,7 @@ def train(
             "lr": training.lr * schedule_scale(optimizer),  # training.lr as scheduled
         }
         if local.validation_labels is not None:
+            context.releasing_metric(epoch)
             row["validation_accuracy"] = context.gather(
                 released_accuracy(*evaluate("validation"), plan, noise_generator))[0]
         context.settle(epoch_charge)

@@ -1,0 +1,37 @@
+"""benchmarks/gpu_check.sh (issue 28): valid bash, and its CPU dry run passes wherever no GPU
+is: the CUDA tests collected, the step benchmark on a sliver of each batch, the quickstart
+and an SST-2 subset through the CLI, one table at the end."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+SST2 = ROOT.parent / "shared" / "data" / "sst2" / "train.parquet"
+
+
+def test_gpu_check_is_valid_bash_and_refuses_unknown_options():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], check=False).returncode == 0
+    done = subprocess.run(["bash", str(SCRIPT), "--fast"], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 2 and "usage" in done.stderr
+
+
+@pytest.mark.skipif(not SST2.is_file(), reason=f"the SST-2 files are not at {SST2}")
+def test_gpu_check_dry_run_runs_every_check_on_the_cpu():
+    done = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True,
+                          timeout=900, check=False,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout[done.stdout.index("## GPU check (CPU dry run"):]
+    for check in ("CUDA tests", "step times", "quickstart", "SST-2 subset"):
+        assert f"| {check}" in table
+    assert "skipped" in table  # the CUDA tests ran, and said why they skip without a GPU
+    for model in ("minilm", "llama"):
+        for precision in ("fp32", "bf16"):
+            assert f"| {model} | {precision} |" in table
+    assert table.count("test accuracy") == 2
