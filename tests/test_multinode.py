@@ -68,6 +68,7 @@ def test_two_workers_on_two_nodes_train_as_two_workers_on_one(cluster, tmp_path)
                                                             strict=True)]
 
 
+@pytest.mark.skipif(not SST2.is_dir(), reason=f"SST-2 is not at {SST2} (shared data absent)")
 def test_an_sst2_subset_on_two_nodes_reads_a_shard_on_each_and_trains_as_on_one(cluster,
                                                                                tmp_path):
     """MiniLM on 512 SST-2 sentences for 1 epoch, 2 workers on 2 nodes: each worker reads and
