@@ -9,6 +9,7 @@ digits pixels are scaled by their fixed range.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +135,8 @@ def _classes(config, num_classes: int | None, classes_field: str, splits: list) 
         return num_classes
     seen = set(np.unique(np.concatenate([values for _, values in splits])).tolist())
     classes = max(int(max(seen)) + 1, 2)
-    never = sorted(set(range(int(max(seen)) + 1)) - seen)
+    # The first missing labels, found without building a range as large as the largest label.
+    never = list(itertools.islice((k for k in range(classes - 1) if k not in seen), 10))
     if min(seen) >= 0 and never:
         raise DataError(
             f"data: labels take the values {sorted(seen)[:10]}, so {classes} classes would be "
@@ -160,7 +162,7 @@ def check_text_file(path: Path, text_column: str, label_column: str | None, fiel
         parquet = pq.ParquetFile(path)  # the footer, read once: schema and row count
         schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
     except (pa.ArrowInvalid, OSError) as error:
-        raise DataError(f"{field}: cannot read {path} as parquet: {error}") from error
+        raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
     missing = [c for c in (text_column, label_column)
                if c is not None and c not in schema.names]
     if missing:
@@ -286,20 +288,32 @@ def _read_parquet(path: Path, config, field: str) -> tuple[np.ndarray, np.ndarra
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowInvalid, OSError) as error:
-        raise DataError(f"{field}: cannot read {path} as parquet: {error}") from error
+        raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
     missing = [c for c in [*columns, config.label_column] if c not in schema.names]
     if missing:
         raise DataError(
             f"{field}: column(s) {missing} not in {path}; available: {', '.join(schema.names)}"
         )
-    table = pq.ParquetFile(path).read(columns=[*columns, config.label_column])
+    try:
+        table = pq.ParquetFile(path).read(columns=[*columns, config.label_column])
+    except (pa.ArrowInvalid, OSError) as error:  # a damaged page after a sound footer
+        raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
     if table.num_rows == 0:
         raise DataError(f"{field}: {path} has no rows")
     features, labels = numeric_rows(table, config, path)
-    if not np.isfinite(features).all():
-        rows = np.unique(np.nonzero(~np.isfinite(features.reshape(len(features), -1)))[0])
-        raise DataError(f"{field}: {path} has NaN or inf features in rows {rows[:10].tolist()}")
+    flat = features.reshape(len(features), -1)
+    for bad, what in ((~np.isfinite(flat), "NaN or inf features"),
+                      (np.abs(flat) > np.finfo(np.float32).max,
+                       "features beyond float32's range (they would train as inf)")):
+        if bad.any():
+            rows = np.unique(np.nonzero(bad)[0])
+            raise DataError(f"{field}: {path} has {what} in rows {rows[:10].tolist()}")
     return features, labels
+
+
+def one_line(error: Exception) -> str:
+    """A library's message on one line (pyarrow's may span several)."""
+    return " ".join(str(error).split())
 
 
 def numeric_rows(table: pa.Table, config, path: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,8 @@ _WORKING_DIR_COPIES = os.sep + os.path.join("runtime_resources", "working_dir_fi
 
 def check_locations(pipeline: Pipeline, source: str) -> None:
     """Refuse output and ledger locations that would not mean the same place everywhere."""
-    problems = [_relative_in_job_copy(field, value) for field, value in _written_paths(pipeline)]
+    problems = [_relative_in_job_copy(field, value) or _not_a_folder(field, value)
+                for field, value in _written_paths(pipeline)]
     if pipeline.budget is not None:
         check_ledger_location(pipeline.budget.ledger)
     problems = [problem for problem in problems if problem]
@@ -50,6 +51,12 @@ def _written_paths(pipeline: Pipeline) -> list[tuple[str, str]]:
     if pipeline.budget is not None:
         paths.append(("budget.ledger", pipeline.budget.ledger))
     return paths
+
+
+def _not_a_folder(field: str, value: str) -> str | None:
+    if "://" not in value and Path(value).exists() and not Path(value).is_dir():
+        return f"{field}: {Path(value).absolute()} is a file, not a folder"
+    return None
 
 
 def _relative_in_job_copy(field: str, value: str) -> str | None:

@@ -96,12 +96,17 @@ CASES = {
     "bad-budget-accountant": Case(("budget.accountant=moments",), ("budget.accountant:",)),
     # --- privacy parameters
     "sigma-zero": Case(("privacy.noise_multiplier=0",),
-                       ("privacy.noise_multiplier: must be > 0, got 0",)),
+                       ("privacy.noise_multiplier: must be >= 0.001, got 0",)),
     "sigma-negative": Case(("privacy.noise_multiplier=-1",),
-                           ("privacy.noise_multiplier: must be > 0, got -1",)),
-    "clip-norm-zero": Case(("privacy.clip_norm=0",), ("privacy.clip_norm: must be > 0, got 0",)),
+                           ("privacy.noise_multiplier: must be >= 0.001, got -1",)),
+    "sigma-vanishing": Case(("privacy.noise_multiplier=1e-300",),  # dp-accounting divides by 0
+                            ("privacy.noise_multiplier: must be >= 0.001, got 1e-300",)),
+    "clip-norm-zero": Case(("privacy.clip_norm=0",),
+                           ("privacy.clip_norm: must be >= 1e-06, got 0",)),
     "clip-norm-negative": Case(("privacy.clip_norm=-1",),
-                               ("privacy.clip_norm: must be > 0, got -1",)),
+                               ("privacy.clip_norm: must be >= 1e-06, got -1",)),
+    "clip-norm-beyond-float32": Case(("privacy.clip_norm=1e308",),
+                                     ("privacy.clip_norm: must be <= 1000000, got 1e+308",)),
     "delta-at-least-1-over-n": Case(("privacy.delta=0.01",),
                                     ("privacy.delta: must be < 1/N = 0.00625", "N = 160")),
     "delta-zero": Case(("privacy.delta=0",), ("privacy.delta: must be > 0, got 0",)),
@@ -112,6 +117,9 @@ CASES = {
         ("privacy.noise_multiplier=null", "privacy.target_epsilon=1e6"),
         ("privacy.target_epsilon:", "so loose")),
     "budget-epsilon-negative": Case(("budget.epsilon=-1",), ("budget.epsilon: must be > 0",)),
+    "budget-name-dot-dot": Case(("budget.name=..",), ("budget.name: may not start with '.'",)),
+    "ledger-is-a-file": Case(("budget.ledger={data}/a_file",),
+                             ("budget.ledger: {data}/a_file is a file, not a folder",)),
     "non-private-run-with-a-budget": Case(
         ("privacy.mechanism=none", "privacy.noise_multiplier=null"), ("budget: a non-private",)),
     # --- training
@@ -196,6 +204,13 @@ CASES = {
     # labels
     "labels-that-skip-a-class": Case((numbers("skipping_labels.parquet"),), (
         "data: labels take the values [1, 2], so 3 classes would be inferred", "[0] never occur")),
+    "a-feature-beyond-float32": Case((numbers("huge_features.parquet"),), (
+        "{data}/huge_features.parquet has features beyond float32's range", "rows [3]")),
+    "damaged-parquet-pages": Case((numbers("damaged_pages.parquet"),), (
+        "data.path: cannot read {data}/damaged_pages.parquet as parquet",)),
+    "a-label-of-2-to-the-62": Case((numbers("huge_labels.parquet"),), (  # no array that large
+        f"data: labels take the values [0, 1, {2**62}], so {2**62 + 1} classes would be inferred",
+        "[2, 3, 4, 5, 6, 7, 8, 9, 10, 11] never occur")),
     "string-labels-without-label-names": Case((numbers("string_labels.parquet"),), (
         "data.label_column: column 'label' in {data}/string_labels.parquet is string",
         "(or give data.label_names)")),
@@ -291,6 +306,13 @@ def data(tmp_path_factory) -> Path:
     parquet("string_labels.parquet", x=rows, y=rows,
             label=np.where(labels == 1, "pos", "neg").tolist())
     parquet("float_labels.parquet", x=rows, y=rows, label=labels.astype(float))
+    parquet("huge_features.parquet", x=np.where(rows == 3, 1e308, rows), y=rows, label=labels)
+    damaged = pa.BufferOutputStream()
+    pq.write_table(pa.table({"x": rows, "y": rows, "label": labels}), damaged)
+    pages = bytearray(damaged.getvalue().to_pybytes())
+    pages[4:60] = b"\xff" * 56  # the first column's pages; footer and magic bytes intact
+    (folder / "damaged_pages.parquet").write_bytes(bytes(pages))
+    parquet("huge_labels.parquet", x=rows, y=rows, label=np.where(rows == 7, 2**62, labels))
     parquet("empty.parquet", x=pa.array([], pa.float64()), y=pa.array([], pa.float64()),
             label=pa.array([], pa.int64()))
     sentences = [f"a {'good' if y else 'dull'} film, number {i}" for i, y in enumerate(labels)]

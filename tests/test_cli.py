@@ -36,7 +36,7 @@ def test_validate_calibrates_sigma_for_a_target_epsilon(capsys):
 def test_bad_pipeline_exits_with_a_message_naming_the_field(capsys):
     assert main(["run", QUICKSTART, "--set", "privacy.noise_multiplier=-1"]) == 2
     err = capsys.readouterr().err
-    assert "privacy.noise_multiplier: must be > 0, got -1" in err
+    assert "privacy.noise_multiplier: must be >= 0.001, got -1" in err
 
 
 def test_batch_larger_than_dataset_is_refused_before_training(tmp_path, capsys):

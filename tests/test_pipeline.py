@@ -2,6 +2,7 @@
 
 import copy
 import pickle
+from pathlib import Path
 
 import pytest
 import yaml
@@ -79,7 +80,7 @@ def test_target_epsilon_instead_of_noise_multiplier(minimal):
 # Each case: overrides applied to the minimal pipeline, and what the message must say.
 MALFORMED = {
     "negative noise": (
-        ["privacy.noise_multiplier=-1"], "privacy.noise_multiplier: must be > 0, got -1"),
+        ["privacy.noise_multiplier=-1"], "privacy.noise_multiplier: must be >= 0.001, got -1"),
     "both noise specs": (
         ["privacy.target_epsilon=3"],
         "privacy: set exactly one of noise_multiplier or target_epsilon (got both)"),
@@ -297,3 +298,13 @@ def test_model_names_that_may_be_hub_names_are_kept(tmp_path, name_or_path):
     text = PARQUET_YAML.replace("../models/mine", name_or_path)
     (tmp_path / "p.yaml").write_text(text)
     assert load_pipeline(tmp_path / "p.yaml").model.name_or_path == name_or_path
+
+
+def test_a_tilde_means_the_home_folder_where_a_run_writes(minimal):
+    """`~/budgets` is the home folder's, as in a shell; never a folder named '~' in the current
+    directory (a second ledger nobody meant)."""
+    p = pipeline_from_dict(minimal, ["run.output_dir=~/runs", "budget.name=b",
+                                     "budget.epsilon=1", "budget.delta=1e-5",
+                                     "budget.ledger=~/budgets"])
+    home = str(Path.home())
+    assert p.run.output_dir == f"{home}/runs" and p.budget.ledger == f"{home}/budgets"

@@ -70,7 +70,7 @@ def test_a_uniform_range_may_start_at_zero_where_its_field_allows_it():
     _check_search_space(sparsity, check_pipeline(sparsity)[1])  # sparsity 0 is valid
     assert sparsity.tune.search_space["privacy.lsg.sparsity"].uniform == (0.0, 0.5)
     sigma = load_pipeline(SWEEP, ["tune.search_space={privacy.noise_multiplier: {uniform: [0.0, 2.0]}}"])
-    with pytest.raises(PipelineError, match="privacy.noise_multiplier: must be > 0, got 0"):
+    with pytest.raises(PipelineError, match="privacy.noise_multiplier: must be >= 0.001, got 0"):
         _check_search_space(sigma, None)  # sigma 0 is not: the field's own check sees it
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import typing
 from typing import Annotated, Any
@@ -43,8 +44,12 @@ def _safe_name(value: str) -> str:
     # Names become directories, Ray job names and actor names.
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
         raise FieldProblem(f"may contain only letters, digits, '_', '.' and '-', got {value!r}")
+    if value.startswith("."):  # '.' and '..' name no folder of their own; '.x' hides one
+        raise FieldProblem(f"may not start with '.', got {value!r}")
     return value
 
 
 SafeName = Annotated[str, AfterValidator(_safe_name)]
+# A place written to: `~` means the home folder, as in a shell (not a folder named '~').
+WrittenPath = Annotated[str, AfterValidator(os.path.expanduser)]
 

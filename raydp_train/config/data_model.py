@@ -25,7 +25,7 @@ class ValidationSplit(Section):
     private: bool = True  # false only if these rows may be published as they are
     # Gaussian noise (std, in examples) on the released count of correct predictions; each
     # release is charged to the privacy account. Required to select on private rows.
-    noise_multiplier: float | None = Field(None, gt=0)
+    noise_multiplier: float | None = Field(None, ge=1e-3, le=1e6)  # as privacy's
 
     @model_validator(mode="after")
     def _one_source(self) -> ValidationSplit:

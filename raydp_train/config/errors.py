@@ -146,7 +146,7 @@ def show(value: Any) -> str:
     """A value as the user wrote it in YAML: null, true, 1 (not 1.0), 1e-05, 'text'."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
         return str(int(value))
     if isinstance(value, str):
         try:

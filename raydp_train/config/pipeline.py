@@ -17,7 +17,7 @@ from typing import Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from raydp_train.config.base import SafeName, Section, exactly_one
+from raydp_train.config.base import SafeName, Section, WrittenPath, exactly_one
 from raydp_train.config.data_model import (
     CnnModel,
     DataConfig,
@@ -116,8 +116,10 @@ MECHANISM_SETTINGS = {"lsg": LsgConfig, "lora": LoraConfig}
 class PrivacyConfig(Section):
     # none: the non-private reference (no clipping, no noise, epsilon infinite)
     mechanism: Literal["dpsgd", "lsg", "lora", "none"] = "dpsgd"
-    clip_norm: float = Field(1.0, gt=0)
-    noise_multiplier: float | None = Field(None, gt=0)
+    # Bounded so that C, sigma C and their quotients stay normal float32 numbers: a C of 1e308
+    # overflows the float32 step; a sigma of 1e-300 divides the accountant by zero.
+    clip_norm: float = Field(1.0, ge=1e-6, le=1e6)
+    noise_multiplier: float | None = Field(None, ge=1e-3, le=1e6)
     target_epsilon: float | None = Field(None, gt=0)  # noise_multiplier is then calibrated
     delta: float = Field(1e-5, gt=0, lt=1)
     accountant: Literal["rdp", "pld"] = "rdp"
@@ -146,7 +148,7 @@ class RunConfig(Section):
     # fast: torch's generator (not robust to floating-point attacks); secure: AES-CTR noise,
     # Holohan-Braghin sums (privacy/secure_noise.py), slower
     noise: Literal["fast", "secure"] = "fast"
-    output_dir: str = "runs"  # a run writes <output_dir>/<name>-<time>/
+    output_dir: WrittenPath = "runs"  # a run writes <output_dir>/<name>-<time>/
     max_failures: int = Field(0, ge=0)  # worker-group restarts from the last checkpoint
     # The newest k epochs' checkpoints (model + optimizer state) stay; older ones are deleted.
     keep_checkpoints: int = Field(2, ge=1)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from raydp_train.config.base import SafeName, Section
+from raydp_train.config.base import SafeName, Section, WrittenPath
 from raydp_train.config.errors import FieldProblem, show
 
 # --- budget and tune --------------------------------------------------------------------------
@@ -21,7 +21,7 @@ class BudgetConfig(Section):
     epsilon: float = Field(gt=0)
     delta: float = Field(gt=0, lt=1)
     accountant: Literal["rdp", "pld"] = "rdp"
-    ledger: str = Field("budgets", min_length=1)  # directory or URI (s3://...) of the ledger
+    ledger: WrittenPath = Field("budgets", min_length=1)  # directory or URI of the ledger
     persist_across_jobs: bool = False  # a detached accountant actor that outlives the job
 
 
