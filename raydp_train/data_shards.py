@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import ray.data
 from ray.train import DataConfig
 
-from raydp_train.data import numeric_rows, text_labels
+from raydp_train.data_columns import numeric_rows, text_labels
 from raydp_train.hf_files import tokenizer_source
 from raydp_train.text import tokenize_batch
 

@@ -54,7 +54,7 @@ def test_parquet_feature_columns_with_separate_test_file(tmp_path):
 
 
 def test_normalize_uses_the_public_statistics_it_is_given(tmp_path):
-    from raydp_train.data import FeatureScaleWarning
+    from raydp_train.data_columns import FeatureScaleWarning
 
     train = write(tmp_path / "train.parquet", income=[40_000.0, 55_000.0, 70_000.0],
                   age=[20.0, 30.0, 40.0], label=[0, 1, 0])
@@ -69,7 +69,7 @@ def test_normalize_uses_the_public_statistics_it_is_given(tmp_path):
 
 
 def test_raw_features_far_from_unit_scale_get_a_warning_naming_the_column(tmp_path):
-    from raydp_train.data import FeatureScaleWarning
+    from raydp_train.data_columns import FeatureScaleWarning
 
     train = write(tmp_path / "t.parquet", income=[40_000.0, 55_000.0, 70_000.0, 1.0],
                   age=[20.0, 30.0, 40.0, 50.0], label=[0, 1, 0, 1])
@@ -112,6 +112,16 @@ def test_label_names_map_string_labels_and_fix_the_class_count(tmp_path):
     unknown = {**source, "label_names": ["neg", "other"]}
     with pytest.raises(DataError, match=r"data.label_names: labels \['pos'\]"):
         load_data(config(unknown).data)
+
+
+def test_string_labels_as_pandas_writes_them_map_too(tmp_path):
+    """pandas writes a string column as Arrow's large_string; label_names maps it alike."""
+    path = tmp_path / "large.parquet"
+    pq.write_table(pa.table({"a": [0.0, 1.0, 2.0],
+                             "label": pa.array(["pos", "neg", "pos"], pa.large_string())}), path)
+    source = {"source": "parquet", "path": str(path), "feature_columns": ["a"],
+              "test_path": str(path), "label_names": ["neg", "pos"]}
+    assert load_data(config(source).data).train_labels.tolist() == [1, 0, 1]
 
 
 def test_parquet_tensor_column_keeps_the_tensor_shape(tmp_path):
@@ -174,7 +184,7 @@ def test_cnn_trains_privately_on_digits():
 @pytest.mark.parametrize("kind", ["int8", "int32", "int64", "uint16", "float16", "float32",
                                   "float64"])
 def test_numbers_read_from_arrow_buffers_equal_pyarrow_s_own(kind):
-    from raydp_train.data import _buffers_as_numpy
+    from raydp_train.data_columns import _buffers_as_numpy
 
     arrow_type = pa.from_numpy_dtype(np.dtype(kind))
     values = np.arange(1, 8).astype(kind)
