@@ -54,8 +54,13 @@ def _written_paths(pipeline: Pipeline) -> list[tuple[str, str]]:
 
 
 def _not_a_folder(field: str, value: str) -> str | None:
-    if "://" not in value and Path(value).exists() and not Path(value).is_dir():
-        return f"{field}: {Path(value).absolute()} is a file, not a folder"
+    if "://" in value:
+        return None
+    try:
+        if Path(value).exists() and not Path(value).is_dir():
+            return f"{field}: {Path(value).absolute()} is a file, not a folder"
+    except OSError as error:  # e.g. a name longer than the file system allows
+        return f"{field}: cannot use {value[:80]!r}: {error.strerror or error}"
     return None
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 from raydp_train.errors import UserError
 
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
+# The most parameters a logistic, MLP or CNN model may have: 4 GiB of float32 weights.
+MAX_PARAMETERS = 2**30
 
 
 class ModelError(UserError, ValueError):
@@ -32,6 +35,17 @@ def build_model(config, feature_shape: tuple[int, ...], num_classes: int,
             model = build_hf_model(config, num_classes, weights)
         check_positions(model, feature_shape[1])
         return model
+    with torch.device("meta"):  # shapes only: nothing allocated
+        parameters = sum(p.numel() for p in _small_model(config, feature_shape,
+                                                         num_classes).parameters())
+    if parameters > MAX_PARAMETERS:
+        raise ModelError(f"model: {parameters:,} parameters for {list(feature_shape)} features "
+                         f"would need {4 * parameters / 2**30:,.0f} GiB of float32 weights "
+                         f"alone; at most {MAX_PARAMETERS:,}: make the model smaller")
+    return _small_model(config, feature_shape, num_classes)
+
+
+def _small_model(config, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     if config.kind == "logistic":
         return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(feature_shape), num_classes))
     if config.kind == "mlp":

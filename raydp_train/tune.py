@@ -69,7 +69,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
     config = pipeline.tune
     connect()  # first: text data is tokenized by Ray Data
     dataset, plan = check_pipeline(pipeline)
-    _check_search_space(pipeline, plan)
+    check_search_space(pipeline, plan)
     refusal = first_refusal(pipeline, plan)
     if refusal:  # a spent budget: no trial, no sweep directory, no best.yaml
         on_line(f"STOPPED before any trial: {refusal}")
@@ -206,7 +206,7 @@ def _progress_printer(on_line, pipeline: Pipeline):
     return ProgressPrinter()
 
 
-def _check_search_space(pipeline: Pipeline, plan) -> None:
+def check_search_space(pipeline: Pipeline, plan) -> None:
     """Validate the pipeline at every extreme value of every searched field, before any
     budget is touched: a bad bound fails here, naming the field, not in trial 7."""
     base = pipeline.model_dump(mode="json")

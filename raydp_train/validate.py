@@ -48,8 +48,14 @@ def print_validation(pipeline: Pipeline, dataset, plan: PrivacyPlan,
 
 def _sweep_spend(pipeline: Pipeline, plan: PrivacyPlan) -> Spend:
     """Print and return what the whole search spends at most (ARCHITECTURE.md §2.7)."""
-    from raydp_train.tune import random_stopping_spend, trial_count, trials_spend
+    from raydp_train.tune import (
+        check_search_space,
+        random_stopping_spend,
+        trial_count,
+        trials_spend,
+    )
 
+    check_search_space(pipeline, plan)  # every searched value, as `tune` checks them
     config = pipeline.tune
     if config.selection == "random_stopping":
         spend = random_stopping_spend(pipeline, plan)

@@ -275,6 +275,17 @@ CASES = {
          setting("tune", {"search_space": {"training.lr": {"choice": [-0.1, 0.1]}}})),
         ("tune.search_space.training.lr=-0.1", "training.lr: must be > 0, got -0.1"),
         command="tune"),
+    "search-value-out-of-range-in-validate": Case(
+        (setting("data.validation", {"fraction": 0.25, "private": False}),
+         setting("tune", {"search_space": {"privacy.noise_multiplier": {"choice": [1.0, -2e21]}}})),
+        ("tune.search_space.privacy.noise_multiplier=-2e+21",
+         "privacy.noise_multiplier: must be >= 0.001"), command="validate"),
+    "a-model-too-large-to-allocate": Case(
+        (setting("model", {"kind": "mlp", "hidden_sizes": [1_000_000, 1_000_000]}),),
+        ("model: 1,000,024,000,002 parameters for [20] features", "GiB of float32 weights"), command="validate"),
+    "an-output-dir-name-too-long": Case((f"run.output_dir={'x' * 5000}",),
+                                        ("run.output_dir: cannot use 'xxxx", "File name too long")),
+    "a-seed-beyond-the-generators": Case(("run.seed=-1",), ("run.seed: must be >= 0",)),
     "tune-loguniform-from-zero": Case(
         (setting("data.validation", {"fraction": 0.25, "private": False}),
          setting("tune", {"search_space": {"training.lr": {"loguniform": [0, 0.1]}}})),

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from raydp_train.privacy.clipping import PerExampleClipper
-from raydp_train.train.step import cross_entropy_loss, private_step
+from raydp_train.train.step import NonFiniteStepError, cross_entropy_loss, private_step
 from raydp_train.train.worker import epoch_ends
 
 
@@ -120,3 +120,26 @@ def test_non_private_run_is_labelled_not_private():
         pipeline_from_dict({**raw, "privacy": {"mechanism": "none", "noise_multiplier": 1.0}})
     with pytest.raises(PipelineError, match="budget: a non-private run"):
         pipeline_from_dict({**raw, "budget": {"name": "b", "epsilon": 1.0, "delta": 1e-5}})
+
+
+@pytest.mark.parametrize("poison", ["weights", "features"])
+def test_a_non_finite_step_stops_before_its_release(poison):
+    """Weights blown up by a huge lr, or features beyond float32: the step raises before the
+    all-reduce (nothing released) and leaves the model as it was."""
+    model = make_model()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    if poison == "weights":
+        with torch.no_grad():
+            model.weight[0, 0] = float("inf")
+    else:
+        x[2, 1] = float("inf")
+    before = flat_params(model).clone()
+    released = []
+    clipper = PerExampleClipper(model, 1.0)
+    with pytest.raises(NonFiniteStepError, match="before this step's noisy gradient was released"):
+        private_step(model, clipper, torch.optim.SGD(model.parameters(), lr=1.0), [(x, y)],
+                     cross_entropy_loss, 1.0, 5.0, torch.Generator().manual_seed(0),
+                     all_reduce_sum=released.append)
+    clipper.close()
+    assert released == []
+    torch.testing.assert_close(flat_params(model), before, equal_nan=True)

@@ -63,15 +63,15 @@ def test_bad_sweep_settings_are_refused_naming_the_field(overrides, expected):
 
 
 def test_a_uniform_range_may_start_at_zero_where_its_field_allows_it():
-    from raydp_train.tune import _check_search_space
+    from raydp_train.tune import check_search_space
 
     space = "tune.search_space={privacy.lsg.sparsity: {uniform: [0.0, 0.5]}}"
     sparsity = load_pipeline(SWEEP, ["privacy.mechanism=lsg", space])
-    _check_search_space(sparsity, check_pipeline(sparsity)[1])  # sparsity 0 is valid
+    check_search_space(sparsity, check_pipeline(sparsity)[1])  # sparsity 0 is valid
     assert sparsity.tune.search_space["privacy.lsg.sparsity"].uniform == (0.0, 0.5)
     sigma = load_pipeline(SWEEP, ["tune.search_space={privacy.noise_multiplier: {uniform: [0.0, 2.0]}}"])
     with pytest.raises(PipelineError, match="privacy.noise_multiplier: must be >= 0.001, got 0"):
-        _check_search_space(sigma, None)  # sigma 0 is not: the field's own check sees it
+        check_search_space(sigma, None)  # sigma 0 is not: the field's own check sees it
 
 
 def test_noisy_validation_releases_cannot_be_calibrated_to_a_target():
@@ -197,13 +197,13 @@ def test_warmup_must_fit_the_trial_with_the_fewest_steps():
     """Each searched field's extremes pass alone, but the smallest number of epochs at the
     largest batch runs fewer steps than warmup_steps: refused before any budget is touched."""
     from raydp_train.config.training import TrainingSetupError
-    from raydp_train.tune import _check_search_space
+    from raydp_train.tune import check_search_space
 
     space = "tune.search_space={training.batch_size: {choice: [64, 512]}, training.epochs: {choice: [1, 8]}}"
     pipeline = load_pipeline(SWEEP, [space, "training.warmup_steps=3"])
     _, plan = check_pipeline(pipeline)  # 8 epochs at batch 128: warmup 3 fits
     # N = 1150: 1 epoch at batch 512 is floor(1150 / 512) = 2 steps
     with pytest.raises(TrainingSetupError, match="may get 3 warmup steps, but .* runs only 2 "):
-        _check_search_space(pipeline, plan)
+        check_search_space(pipeline, plan)
     fitting = load_pipeline(SWEEP, [space, "training.warmup_steps=2"])
-    _check_search_space(fitting, check_pipeline(fitting)[1])
+    check_search_space(fitting, check_pipeline(fitting)[1])

@@ -7,7 +7,7 @@ import re
 import typing
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from raydp_train.config.errors import FieldProblem, show
 
@@ -50,6 +50,8 @@ def _safe_name(value: str) -> str:
 
 
 SafeName = Annotated[str, AfterValidator(_safe_name)]
+# Seeds as numpy's and scikit-learn's generators take them.
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 # A place written to: `~` means the home folder, as in a shell (not a folder named '~').
 WrittenPath = Annotated[str, AfterValidator(os.path.expanduser)]
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from raydp_train.config.base import Section, exactly_one
+from raydp_train.config.base import Section, Seed, exactly_one
 from raydp_train.config.errors import FieldProblem
 
 # --- data -------------------------------------------------------------------------------------
@@ -36,12 +36,12 @@ class ValidationSplit(Section):
 class SyntheticData(Section):
     source: Literal["synthetic"]
     validation: ValidationSplit | None = None
-    n_samples: int = Field(1000, ge=10)
-    n_features: int = Field(20, gt=0)
-    n_informative: int = Field(10, gt=0)
+    n_samples: int = Field(1000, ge=10, le=10_000_000)  # generated in each worker's memory
+    n_features: int = Field(20, gt=0, le=100_000)
+    n_informative: int = Field(10, ge=2)  # 2 classes of 2 clusters need 2 informative ones
     n_redundant: int = Field(5, ge=0)
     flip_y: float = Field(0.05, ge=0, le=1)
-    random_state: int = 42
+    random_state: Seed = 42
     train_fraction: TrainFraction = 0.8
 
     @model_validator(mode="after")
@@ -57,7 +57,7 @@ class DigitsData(Section):
     source: Literal["sklearn_digits"]
     validation: ValidationSplit | None = None
     train_fraction: TrainFraction = 0.8
-    random_state: int = 42
+    random_state: Seed = 42
 
 
 class ParquetData(Section):
@@ -79,7 +79,7 @@ class ParquetData(Section):
     # saved model's id2label.
     label_names: list[str] | None = Field(None, min_length=2)
     train_fraction: TrainFraction = 0.8  # used only when test_path is None
-    random_state: int = 42
+    random_state: Seed = 42
 
     @model_validator(mode="after")
     def _one_feature_source(self) -> ParquetData:
@@ -103,7 +103,9 @@ DataConfig = Annotated[SyntheticData | DigitsData | ParquetData, Field(discrimin
 # --- model ------------------------------------------------------------------------------------
 
 NumClasses = Annotated[int | None, Field(ge=2)]  # None: inferred from the labels
-PositiveInts = Annotated[list[Annotated[int, Field(gt=0)]], Field(min_length=1)]
+# Widths and channels: a million is far beyond any model trained here, and int64-safe.
+Width = Annotated[int, Field(gt=0, le=1_000_000)]
+PositiveInts = Annotated[list[Width], Field(min_length=1)]
 
 
 class LogisticModel(Section):
@@ -121,8 +123,8 @@ class MlpModel(Section):
 class CnnModel(Section):
     kind: Literal["cnn"]
     channels: PositiveInts = Field(default_factory=lambda: [16, 32])
-    kernel_size: int = Field(3, ge=1)
-    hidden_size: int = Field(64, gt=0)
+    kernel_size: int = Field(3, ge=1, le=99)
+    hidden_size: Width = 64
     num_classes: NumClasses = None
 
     @field_validator("kernel_size")

@@ -17,7 +17,7 @@ from typing import Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from raydp_train.config.base import SafeName, Section, WrittenPath, exactly_one
+from raydp_train.config.base import SafeName, Section, Seed, WrittenPath, exactly_one
 from raydp_train.config.data_model import (
     CnnModel,
     DataConfig,
@@ -144,7 +144,7 @@ class PrivacyConfig(Section):
 
 
 class RunConfig(Section):
-    seed: int | None = None  # None: noise seeded from os.urandom; an int: reproducible, not release
+    seed: Seed | None = None  # None: noise seeded from os.urandom; an int: reproducible, not release
     # fast: torch's generator (not robust to floating-point attacks); secure: AES-CTR noise,
     # Holohan-Braghin sums (privacy/secure_noise.py), slower
     noise: Literal["fast", "secure"] = "fast"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -10,6 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from raydp_train.errors import UserError
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.mechanism import DpSgd, Mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_
@@ -20,6 +22,10 @@ Precision = Literal["fp32", "bf16"]
 DP_SGD = DpSgd()  # stateless: the default of a step whose clipper DP-SGD attached
 # `training.precision` -> the autocast dtype of the forward (None: no autocast).
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+
+
+class NonFiniteStepError(UserError, RuntimeError):
+    """A step whose loss or clipped sum is not finite; raised before anything is released."""
 
 
 @dataclass
@@ -67,6 +73,12 @@ def private_step(
         count += labels.shape[0]
     if check_due:  # this rank sampled nothing, but joins the other ranks' verdict
         engine_checks.run(clipper, compute_losses, None)
+    # One sum tells: a NaN or inf anywhere makes it non-finite (clipped sums cannot overflow).
+    if not math.isfinite(loss_sum + clipper.flat_grad.sum().item()):
+        raise NonFiniteStepError(
+            "training: a loss or the clipped gradient sum is NaN or inf, so the run stopped "
+            "before this step's noisy gradient was released; lower training.lr, or scale the "
+            "features (data.normalize)")
     mechanism.reduce(clipper, all_reduce_sum)
     # The expected batch size q*N, never |S|: |S| depends on the data.
     clipper.flat_grad.div_(expected_batch_size)
