@@ -264,7 +264,7 @@ CASES = {
                          ("training.workers: 6 workers need 6 CPUs", "cluster has 4")),
     # --- run directories and sweeps
     "output-dir-is-a-file": Case(("run.output_dir={data}/a_file",),
-                                 ("run.output_dir: cannot create {data}/a_file/",)),
+                                 ("run.output_dir: {data}/a_file is a file, not a folder",)),
     "resume-from-a-missing-directory": Case((), ("--resume: not a run directory",),
                                             extra=("--resume", "{data}/no_such_run")),
     "resume-from-another-pipeline": Case((), (
@@ -403,8 +403,11 @@ def test_unwritable_ledger_is_refused_before_any_reservation(in_the_way, ray_ses
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("not a directory")
     rc = run_cli(tmp_path, budget=budget)
-    assert_refused_cleanly(rc, capsys.readouterr().err, ["budget.ledger: cannot use",
-                                                         str(tmp_path / "ledger")])
+    # The ledger itself a file: refused by the location check; a file in its place below it
+    # (its budget's folder): when the ledger is opened.
+    expected = (f"budget.ledger: {tmp_path / 'ledger'} is a file, not a folder"
+                if in_the_way == "ledger" else f"budget.ledger: cannot use {blocker.as_uri()}")
+    assert_refused_cleanly(rc, capsys.readouterr().err, [expected])
     assert blocker.read_text() == "not a directory"
     assert not list(tmp_path.rglob("*.parquet")) and not list(tmp_path.rglob("charges"))
 
