@@ -118,3 +118,22 @@ def test_a_ledger_written_before_the_chain_is_read_and_extended(tmp_path):
     rewrite(fragment(ledger, 1), steps=1)  # the old row the first link names: noticed
     with pytest.raises(LedgerCorruptError, match="does not follow"):
         verify_ledger("b", str(tmp_path))
+
+
+def test_a_row_appended_while_the_ledger_is_read_is_not_taken_for_damage(ledger, monkeypatch):
+    """A reader (`budget status` during a sweep) lists the fragments, then a writer commits
+    a row and moves the head marker: the reader must see an intact ledger, not a truncated one."""
+    from raydp_train.privacy.ledger import BudgetLedger
+
+    listing = BudgetLedger._fragments
+    writer = BudgetAccountant(str(ledger.parent), TERMS)
+
+    def list_then_let_a_writer_in(self):
+        fragments = listing(self)
+        monkeypatch.setattr(BudgetLedger, "_fragments", listing)  # one interleaving only
+        writer.reserve("during-the-read", "run-e", SPEND)
+        return fragments
+
+    monkeypatch.setattr(BudgetLedger, "_fragments", list_then_let_a_writer_in)
+    assert len(BudgetLedger(str(ledger.parent), "b", create=False).rows()) == 7
+    assert verify_ledger("b", str(ledger.parent))["fragments"] == 8

@@ -154,6 +154,9 @@ class BudgetLedger:
     def rows(self) -> list[dict]:
         """Every committed row in sequence order, after checking each fragment, the chain
         of hashes that links them and the head marker."""
+        # The head before the listing: a writer commits a fragment before the head names it,
+        # so a row appended while we read can never look like a deleted one.
+        head = self.head()
         rows = [self._read(info.path, info.base_name) for info in self._fragments()]
         for expected, row in enumerate(rows):
             if row["seq"] != expected:
@@ -162,7 +165,7 @@ class BudgetLedger:
                     f"{row['seq']} ({row['fragment']}): a fragment is missing or duplicated"
                 )
             self._check_link(row_hash(rows[expected - 1]) if expected else "", row)
-        self._check_head(rows)
+        self._check_head(rows, head)
         if rows:
             self._newest = (rows[-1]["seq"], row_hash(rows[-1]))
         return rows
@@ -207,8 +210,7 @@ class BudgetLedger:
                 f"ledger fragment {self.uri}/{row['fragment']} does not follow the fragment "
                 "before it: one of them was edited, replaced or moved")
 
-    def _check_head(self, rows: list[dict]) -> None:
-        head = self.head()
+    def _check_head(self, rows: list[dict], head: tuple[int, str] | None) -> None:
         if head is None:
             return
         seq, digest = head
