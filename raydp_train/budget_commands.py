@@ -21,8 +21,8 @@ def add_budget_command(commands, parents: list) -> None:
     ):
         view = views.add_parser(name, help=summary, description=summary, parents=[verbose])
         view.add_argument("name", metavar="NAME", help="budget name (budget.name)")
-        view.add_argument("--ledger", required=True, metavar="PATH_OR_URI",
-                          help="the budget's ledger (budget.ledger), e.g. budgets or s3://b/l")
+        view.add_argument("--ledger", type=_ledger, default=None, metavar="PATH_OR_URI",
+                          help=LEDGER_HELP)
         view.add_argument("--json", action="store_true", help="print JSON instead of a table")
         view.set_defaults(command=handler)
     reset = views.add_parser(
@@ -31,7 +31,8 @@ def add_budget_command(commands, parents: list) -> None:
                      "longer counts, open reservations still do, and the history is kept."),
         parents=[verbose])
     reset.add_argument("name", metavar="NAME", help="budget name (budget.name)")
-    reset.add_argument("--ledger", required=True, metavar="PATH_OR_URI", help="the budget's ledger")
+    reset.add_argument("--ledger", type=_ledger, default=None, metavar="PATH_OR_URI",
+                       help=LEDGER_HELP)
     reset.add_argument("--force", action="store_true", help="really reset (required)")
     reset.add_argument("--reason", default="", help="why; recorded in the reset row")
     reset.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
@@ -40,10 +41,25 @@ def add_budget_command(commands, parents: list) -> None:
     reset.set_defaults(command=budget_reset)
 
 
+LEDGER_HELP = ("the budget's ledger (budget.ledger), e.g. /shared/budgets or s3://b/l "
+               "(default: $RAYDP_TRAIN_HOME/budgets, else ~/.raydp_train/budgets)")
+
+
+def _ledger(value: str) -> str:
+    return os.path.expanduser(value)
+
+
+def _ledger_of(args) -> str:
+    """--ledger, else the machine's default ledger (read now: $RAYDP_TRAIN_HOME may be set)."""
+    from raydp_train.config.sweep import default_ledger
+
+    return args.ledger or default_ledger()
+
+
 def budget_status(args) -> int:
     from raydp_train.reports.budget import as_json, budget_status, status_text
 
-    status = budget_status(args.name, args.ledger)
+    status = budget_status(args.name, _ledger_of(args))
     print(as_json(status) if args.json else status_text(status))
     return 0
 
@@ -51,7 +67,7 @@ def budget_status(args) -> int:
 def budget_history(args) -> int:
     from raydp_train.reports.budget import as_json, history_text, ledger_rows
 
-    rows = ledger_rows(args.name, args.ledger)
+    rows = ledger_rows(args.name, _ledger_of(args))
     print(as_json(rows) if args.json else history_text(rows))
     return 0
 
@@ -59,7 +75,7 @@ def budget_history(args) -> int:
 def budget_verify(args) -> int:
     from raydp_train.reports.budget import as_json, verify_ledger
 
-    report = verify_ledger(args.name, args.ledger)  # a damaged ledger: LedgerCorruptError
+    report = verify_ledger(args.name, _ledger_of(args))  # a damaged ledger: LedgerCorruptError
     print(as_json(report) if args.json else (
         f"ledger {report['ledger']}: {report['fragments']} fragments, "
         f"{report['chained']} linked by their hashes, head marker at "
@@ -85,7 +101,7 @@ def budget_reset(args) -> int:
     from raydp_train.resources import check_address
     from raydp_train.train.trainer import ensure_ray
 
-    status = budget_status(args.name, args.ledger)  # a missing budget is an error, even forced
+    status = budget_status(args.name, _ledger_of(args))  # missing budget: an error, even forced
     if not args.force:
         raise BudgetError(
             f"budget reset {args.name}: refused without --force. A reset stops counting "
@@ -96,5 +112,5 @@ def budget_reset(args) -> int:
     check_address(args.address)
     ensure_ray(args.address, num_cpus=1, verbose=args.verbose)
     note = f"reset by {getpass.getuser()}" + (f": {args.reason}" if args.reason else "")
-    print(status_text(open_existing_budget(args.name, args.ledger).reset(note)))
+    print(status_text(open_existing_budget(args.name, _ledger_of(args)).reset(note)))
     return 0

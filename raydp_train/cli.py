@@ -1,6 +1,6 @@
 """`raydp-train validate | run | tune | audit PIPELINE [--set a.b=value ...]`,
 `raydp-train report RUN_DIR`, `raydp-train generate RUN_DIR --prompt TEXT`,
-`raydp-train budget status | history | reset NAME --ledger PATH`."""
+`raydp-train budget status | history | verify | reset NAME [--ledger PATH]`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 from raydp_train.budget_commands import add_budget_command
@@ -15,6 +16,7 @@ from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.errors import UserError
 from raydp_train.generate import add_generate_command
 from raydp_train.quiet import quiet_third_party
+from raydp_train.worker_errors import WorkerBug
 
 # `run` and `tune` exit with this when the global budget refused to let them finish.
 EXIT_BUDGET_EXHAUSTED = 3
@@ -34,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:  # the user's input: one clear line, never a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except WorkerBug as error:  # not the input: one line, and where its trace was written
+        if args.verbose:
+            traceback.print_exception(error.__cause__ or error)
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # The reader went away (`raydp-train report RUN | head`): stop quietly, as cat does.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -63,16 +70,22 @@ def _parser() -> argparse.ArgumentParser:
             help="override a field, e.g. --set privacy.noise_multiplier=1.5 (repeatable)",
         )
         command.set_defaults(command=handler)
-        if name in ("run", "tune"):
+        if name in ("run", "tune", "validate"):
             command.add_argument(
                 "--address", default=os.environ.get("RAY_ADDRESS"),
-                help="Ray cluster to run on (default: $RAY_ADDRESS; unset: an embedded local Ray)",
+                help="Ray cluster to run on (default: $RAY_ADDRESS; unset: an embedded local Ray)"
+                + ("; validate starts no Ray, it only checks that what the run writes is on "
+                   "storage the cluster shares" if name == "validate" else ""),
             )
         if name == "run":
-            command.add_argument(
+            again = command.add_mutually_exclusive_group()
+            again.add_argument(
                 "--resume", metavar="RUN_DIR",
-                help="continue an interrupted run of the same pipeline from its last checkpoint",
+                help="continue an interrupted run of the same pipeline from its last checkpoint "
+                     "(without it: the newest unfinished one, see run.on_interrupted)",
             )
+            again.add_argument("--new", action="store_true", help=(
+                "start another run even if an unfinished run of this pipeline is there"))
         if name == "validate":
             command.add_argument("--check-model", action="store_true", help=(
                 "also build a pretrained model (no weights) and check what trains: seconds more"))
@@ -103,7 +116,7 @@ def _prepare(args):
     """Load and check everything before any privacy is spent (see preflight). `run` tokenizes
     text with Ray Data, so Ray starts (or is joined) first; `validate` starts no Ray and reads
     no model weights: it checks the pipeline, not this machine."""
-    from raydp_train.locations import check_locations
+    from raydp_train.locations import check_locations, warn_if_not_shared
     from raydp_train.preflight import check_pipeline
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
@@ -114,6 +127,7 @@ def _prepare(args):
 
         connect(args.address, pipeline.training, max(4, pipeline.training.workers + 2),
                 args.verbose)
+    warn_if_not_shared(pipeline, args.address)
     dataset, plan = check_pipeline(pipeline, for_training, getattr(args, "check_model", True))
     return pipeline, dataset, plan
 
@@ -128,10 +142,17 @@ def validate(args) -> int:
 def run(args) -> int:
     from raydp_train.privacy.mechanism import mechanism_named
     from raydp_train.reports.run import new_run_dir, privacy_statement, write_run_record
+    from raydp_train.reruns import driving, run_to_continue
     from raydp_train.train.trainer import RunInterrupted, fit
+    from raydp_train.worker_errors import explain
 
     pipeline, dataset, plan = _prepare(args)
     resumed = _resumed_run_dir(args.resume, pipeline) if args.resume else None
+    if resumed is None and not args.new:
+        resumed = run_to_continue(pipeline, args.pipeline, _same_command(args))
+        if resumed is not None:
+            print(f"continuing the unfinished run {resumed} of this pipeline from its last "
+                  "checkpoint (run.on_interrupted: resume; --new starts another)", flush=True)
     budget = _open_budget(pipeline)  # a bad budget or ledger: refused before a run directory
     run_dir = resumed or new_run_dir(pipeline)
     workers = pipeline.training.workers
@@ -140,16 +161,22 @@ def run(args) -> int:
           f"{workers} worker(s), q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, "
           f"C={plan.clip_norm:g}\nrun directory: {run_dir}", flush=True)
     try:
-        result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs),
-                     budget=budget, owner=run_dir.name, dataset=dataset)
+        with driving(run_dir):
+            result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs),
+                         budget=budget, owner=run_dir.name, dataset=dataset)
     except RunInterrupted:
         print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; the epoch that was running "
-              f"stays counted in full.\ncontinue with: {_resume_command(args, run_dir)}",
+              f"stays counted in full.\ncontinue with: {_resume_command(args, run_dir, pipeline)}",
               flush=True)
         return EXIT_INTERRUPTED
+    except Exception as error:  # from the workers, under Ray's wrappers: one line (worker_errors)
+        explained = explain(error, run_dir)
+        if explained is error:
+            raise
+        raise explained from error
     if result.stop_reason.startswith("interrupted"):
         print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; every epoch charged was "
-              f"run and saved.\ncontinue with: {_resume_command(args, run_dir)}", flush=True)
+              f"run and saved.\ncontinue with: {_resume_command(args, run_dir, pipeline)}", flush=True)
         return EXIT_INTERRUPTED
     if result.steps_charged == 0 and resumed is None:
         # Nothing trained and nothing charged: an untrained model.pt would only mislead.
@@ -172,10 +199,16 @@ def run(args) -> int:
     return 0
 
 
-def _resume_command(args, run_dir: Path) -> str:
-    """The command line that continues this run: the same pipeline and --set options."""
+def _same_command(args) -> str:
+    """The command line of this run: the same pipeline and --set options."""
     options = "".join(f" --set '{override}'" for override in args.overrides or [])
-    return f"raydp-train run {args.pipeline}{options} --resume {run_dir}"
+    return f"raydp-train run {args.pipeline}{options}"
+
+
+def _resume_command(args, run_dir: Path, pipeline) -> str:
+    """What continues this run: `--resume`, or (run.on_interrupted: resume) the same command."""
+    again = " (or just the same command again)" if pipeline.run.on_interrupted == "resume" else ""
+    return f"{_same_command(args)} --resume {run_dir}{again}"
 
 
 def _open_budget(pipeline):
@@ -193,7 +226,7 @@ def _open_budget(pipeline):
 
 
 def tune_command(args) -> int:
-    from raydp_train.locations import check_locations
+    from raydp_train.locations import check_locations, warn_if_not_shared
     from raydp_train.resources import connect
     from raydp_train.tune import run_sweep
 
@@ -203,8 +236,12 @@ def tune_command(args) -> int:
                                             "num_samples, ...); see README")])
     check_locations(pipeline, args.pipeline)
     cpus = max(4, pipeline.training.workers + 2)  # as `run`: workers, queue, controller
-    sweep = run_sweep(pipeline, connect=lambda: connect(args.address, pipeline.training, cpus,
-                                                        args.verbose))
+
+    def connect_and_warn() -> None:
+        connect(args.address, pipeline.training, cpus, args.verbose)
+        warn_if_not_shared(pipeline, args.address)
+
+    sweep = run_sweep(pipeline, connect=connect_and_warn)
     return 0 if sweep is not None and sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 
 

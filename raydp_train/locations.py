@@ -7,12 +7,17 @@ there lands in a temporary folder that changes with every edit of any file: the 
 start a fresh budget from a fresh ledger, and the run record would vanish with the session. So
 inside such a copy a relative path is refused, before anything is spent, with the absolute
 path it should have been.
+
+On a cluster the ledger is the ONE global budget only if every driver and node sees the same
+one: a relative path, or a folder on one machine's own disk, is warned about.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 from pathlib import Path
 
 from raydp_train.config.pipeline import Pipeline, PipelineError
@@ -21,6 +26,11 @@ from raydp_train.privacy.ledger import check_ledger_location
 # Set by Ray's job server for the entrypoint of a submitted job: the job's runtime env.
 _JOB_CONFIG_VARIABLE = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 _WORKING_DIR_COPIES = os.sep + os.path.join("runtime_resources", "working_dir_files") + os.sep
+
+
+# File systems that several machines mount as one (anything else is taken as node-local).
+_SHARED_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre",
+                       "gpfs", "beegfs", "9p", "virtiofs", "afs", "orangefs"}
 
 
 def check_locations(pipeline: Pipeline, source: str) -> None:
@@ -32,6 +42,62 @@ def check_locations(pipeline: Pipeline, source: str) -> None:
     problems = [problem for problem in problems if problem]
     if problems:
         raise PipelineError(source, problems)
+
+
+def warn_if_not_shared(pipeline: Pipeline, address: str | None) -> None:
+    """Print a warning line for each written path a cluster's other nodes and drivers would
+    not share (once the cluster answered: a dead address is an error of its own)."""
+    for warning in cluster_warnings(pipeline, address):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def cluster_warnings(pipeline: Pipeline, address: str | None) -> list[str]:
+    """When joining a cluster (an address, or a submitted job): each written path that is
+    relative or on this machine's own disk, one line each."""
+    if address in (None, "", "local") and _JOB_CONFIG_VARIABLE not in os.environ:
+        return []
+    warnings = []
+    for field, value in _written_paths(pipeline):
+        if "://" in value:
+            continue
+        if not Path(value).is_absolute():
+            warnings.append(f"{field}: '{value}' is relative to the folder this command runs "
+                            "in; on a cluster every driver must name the same place: give an "
+                            "absolute path on shared storage, or a URI")
+        elif (kind := _filesystem_type(value)) is not None and not _shared(kind):
+            warnings.append(f"{field}: {value} is on this machine's own disk ({kind}); the "
+                            "other nodes and drivers of a cluster would not see it"
+                            + (" and would each grant the whole budget"
+                               if field == "budget.ledger" else "")
+                            + ": put it on storage they all mount (NFS, ...) or a URI")
+    return warnings
+
+
+def _shared(kind: str) -> bool:
+    return kind in _SHARED_FILESYSTEMS or kind.startswith("fuse")
+
+
+def _filesystem_type(path: str, mounts: str = "/proc/mounts") -> str | None:
+    """The type of the file system holding `path` (its nearest existing folder), from the
+    mount table; None where that cannot be read."""
+    target = Path(path)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    target = target.resolve()
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])  # \040: " "
+        inside = target == Path(mount) or Path(mount) in target.parents
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
 
 
 def job_working_dir_copy() -> str | None:

@@ -48,8 +48,10 @@ def ray_session():
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path_factory, monkeypatch):
-    """Each test remembers its own passed model checks (passed_checks), never the user's."""
+    """Each test remembers its own passed model checks (passed_checks) and keeps its own
+    default ledger ($RAYDP_TRAIN_HOME/budgets), never the user's."""
     monkeypatch.setenv("RAYDP_TRAIN_CACHE", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.setenv("RAYDP_TRAIN_HOME", str(tmp_path_factory.mktemp("home")))
 
 
 @pytest.fixture

@@ -79,7 +79,9 @@ def test_two_embedded_runs_started_together_grant_exactly_what_fits(tmp_path):
     overrides = ["training.workers=1", "training.batch_size=80", "training.epochs=4",
                  "budget.name=two-runs", f"budget.epsilon={epsilon}", "budget.delta=1e-5",
                  f"budget.ledger={tmp_path}/budgets", f"run.output_dir={tmp_path}/runs"]
-    command = [str(BIN / "raydp-train"), "run", "pipelines/quickstart.yaml",
+    # --new: the same pipeline twice at once on purpose (otherwise the second, finding the
+    # first unfinished with its driver alive, would refuse: reruns.py)
+    command = [str(BIN / "raydp-train"), "run", "pipelines/quickstart.yaml", "--new",
                *[part for override in overrides for part in ("--set", override)]]
     env = isolated_env(tmp_path)  # no RAY_ADDRESS: embedded, as a user runs it
     runs = [subprocess.Popen(command, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE,

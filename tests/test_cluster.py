@@ -117,7 +117,8 @@ def test_readme_cluster_section_spends_one_budget_across_jobs(head, repository):
 def test_a_relative_ledger_in_a_job_working_dir_copy_is_refused(head, repository):
     command = _as_here(".venv/bin/ray job submit --address http://127.0.0.1:8265 --working-dir "
                        ". -- $PWD/.venv/bin/raydp-train tune pipelines/sweep_digits.yaml "
-                       "--set budget.name=relative-ledger --set run.output_dir=$PWD/runs", head)
+                       "--set budget.name=relative-ledger --set run.output_dir=$PWD/runs "
+                       "--set budget.ledger=budgets", head)
     done = _shell(command, head, repository)
     assert done.returncode != 0
     assert "budget.ledger: 'budgets' is relative" in done.stdout + done.stderr

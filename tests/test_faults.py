@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+import dp_accounting
 import pyarrow.parquet as pq
 import pytest
 
@@ -41,8 +42,8 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return [c for c in run_dir.glob("checkpoint_*") if c.is_dir()]
 
 
-def test_ctrl_c_stops_before_the_next_epoch_and_the_resume_stays_within_the_target(
-    ray_session, tmp_path
+def test_ctrl_c_stops_before_the_next_epoch_and_the_same_command_resumes_within_the_target(
+    ray_session, tmp_path, capsys
 ):
     """Ctrl-C lets the running epoch finish and checkpoint, then stops before the next one is
     charged; the resume starts from that newest checkpoint, so no step is charged twice and
@@ -75,17 +76,24 @@ def test_ctrl_c_stops_before_the_next_epoch_and_the_resume_stays_within_the_targ
     status = budget_status("interrupted", f"{tmp_path}/budgets")  # replays the ledger
     assert _steps_in_ledger(status, run_dir.name) == charged
 
-    resumed = ["run", str(ROOT / "pipelines/quickstart.yaml"), *options, "--resume", str(run_dir)]
-    assert main(resumed) == 0
+    # The user presses the up arrow: the same command, no --resume, continues that run.
+    assert main(["run", str(ROOT / "pipelines/quickstart.yaml"), *options]) == 0
+    assert f"continuing the unfinished run {run_dir}" in capsys.readouterr().out
+    assert [d.name for d in (tmp_path / "runs").iterdir()] == [run_dir.name]
     privacy = json.loads((run_dir / "privacy.json").read_text())
     assert privacy["steps"] == privacy["planned_steps"] == 500  # 40 epochs of 12.5 steps
     assert privacy["steps_run_again"] == 0
     assert privacy["epsilon"] <= 3.0
+    never_interrupted = dp_accounting.rdp.RdpAccountant().compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(privacy["sampling_rate"], dp_accounting.GaussianDpEvent(
+            privacy["noise_multiplier"])), 500)).get_epsilon(privacy["delta"])
+    assert privacy["epsilon"] == pytest.approx(never_interrupted, rel=1e-12)
     kept = sorted(json.loads((c / "progress.json").read_text())["epoch"]
                   for c in checkpoints(run_dir))
     assert kept == [39, 40]  # only the newest two of 40 epochs' checkpoints stay
     status = budget_status("interrupted", f"{tmp_path}/budgets")
     assert _steps_in_ledger(status, run_dir.name) == 500
+    assert list(status["owners"]) == [run_dir.name]  # one run in the ledger, not two
 
 
 def test_budget_actor_killed_mid_sweep_loses_no_reservation(ray_session, tmp_path, capsys):

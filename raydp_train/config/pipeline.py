@@ -152,6 +152,9 @@ class RunConfig(Section):
     max_failures: int = Field(0, ge=0)  # worker-group restarts from the last checkpoint
     # The newest k epochs' checkpoints (model + optimizer state) stay; older ones are deleted.
     keep_checkpoints: int = Field(2, ge=1)
+    # The same `run` again after an interruption: continue the unfinished run (resume), or
+    # stop and name the choice (refuse); `--new` always starts another (reruns.py).
+    on_interrupted: Literal["resume", "refuse"] = "resume"
 
     @model_validator(mode="after")
     def _secure_is_unseeded(self) -> RunConfig:

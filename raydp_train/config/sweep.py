@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Literal
 
@@ -13,6 +14,14 @@ from raydp_train.config.errors import FieldProblem, show
 # --- budget and tune --------------------------------------------------------------------------
 
 
+def default_ledger() -> str:
+    """One ledger per machine, wherever a command runs from: `$RAYDP_TRAIN_HOME/budgets`,
+    default `~/.raydp_train/budgets`. Relative to the current folder, two runs of one pipeline
+    started from two folders would each grant the whole budget."""
+    home = os.environ.get("RAYDP_TRAIN_HOME") or os.path.join("~", ".raydp_train")
+    return os.path.join(os.path.abspath(os.path.expanduser(home)), "budgets")
+
+
 class BudgetConfig(Section):
     """The global privacy budget every run and trial of this name spends from
     (ARCHITECTURE.md §2.6)."""
@@ -21,7 +30,7 @@ class BudgetConfig(Section):
     epsilon: float = Field(gt=0)
     delta: float = Field(gt=0, lt=1)
     accountant: Literal["rdp", "pld"] = "rdp"
-    ledger: WrittenPath = Field("budgets", min_length=1)  # directory or URI of the ledger
+    ledger: WrittenPath = Field(default_factory=default_ledger, min_length=1)  # folder or URI
     persist_across_jobs: bool = False  # a detached accountant actor that outlives the job
 
 
