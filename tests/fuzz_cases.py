@@ -191,18 +191,51 @@ def _alarm(signum, frame):
 
 def run_validate(case: Case) -> Outcome:
     """`raydp-train validate` in this process, its output captured, stopped after SECONDS."""
+    return _run_cli(["validate", str(case.pipeline)], SECONDS)
+
+
+RUN_SECONDS = 300  # a hang guard for `run` of a case (its runs take seconds)
+
+
+def run_training(case: Case) -> Outcome:
+    """`raydp-train run` of the case, one epoch, in this process (on the session's Ray)."""
+    outcome = _run_cli(["run", str(case.pipeline), "--set", "training.epochs=1"], RUN_SECONDS)
+    if not outcome.problem and outcome.code == 2:
+        outcome.problem = _charged_or_kept(case)
+    return outcome
+
+
+def _charged_or_kept(case: Case) -> str:
+    """A refused run must reserve nothing and keep no run directory."""
+    from raydp_train.privacy.ledger import LedgerError
+    from raydp_train.reports.budget import ledger_rows
+
+    raw = yaml.safe_load(case.pipeline.read_text())
+    name = ((raw.get("budget") or {}) if isinstance(raw, dict) else {}).get("name")
+    try:
+        rows = ledger_rows(str(name), str(case.folder / "ledger")) if name else []
+    except (LedgerError, OSError):
+        rows = []  # no ledger (or none readable): nothing was reserved in it
+    if any(row["kind"] == "reserve" for row in rows):
+        return "a refused run reserved budget"
+    if list((case.folder / "runs").glob("*/pipeline.yaml")):
+        return "a refused run kept a run directory"
+    return ""
+
+
+def _run_cli(argv: list[str], seconds: int) -> Outcome:
     from raydp_train.cli import main
 
     output = io.StringIO()
     previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(SECONDS)
+    signal.alarm(seconds)
     started = time.monotonic()
     code = None
     try:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-            code = main(["validate", str(case.pipeline)])
+            code = main(argv)
     except _Timeout:
-        output.write(f"\n<stopped after {SECONDS} s>")
+        output.write(f"\n<stopped after {seconds} s>")
     except BaseException:  # noqa: BLE001 (anything escaping main is what the fuzz looks for)
         output.write(traceback.format_exc())
     finally:
@@ -225,8 +258,9 @@ def check_outcome(outcome: Outcome) -> str:
     if outcome.code not in (2, 3):
         return f"exit {outcome.code}"
     lines = [line for line in outcome.output.splitlines() if line.strip()]
-    if outcome.code == 3:  # validate's plan, ending with the budget's refusal
-        return "" if lines and lines[-1].startswith("CANNOT BE PAID") else "no refusal line"
+    if outcome.code == 3:  # validate's plan ending with the budget's refusal, or a run's stop
+        refusal = ("CANNOT BE PAID", "STOPPED")
+        return "" if any(line.startswith(refusal) for line in lines) else "no refusal line"
     errors = [i for i, line in enumerate(lines) if line.startswith("error:")]
     if len(errors) != 1:
         return f"{len(errors)} error lines"

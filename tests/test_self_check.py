@@ -237,3 +237,23 @@ def test_preflight_checks_a_random_batch_before_any_budget(monkeypatch):
     # privacy.self_check.enabled: false turns it off (the user's explicit choice).
     checks.check_model(shared_bias_pipeline(self_check={"enabled": False}), (5,), 3,
                        for_training=True)
+
+
+
+def test_all_zero_gradients_pass_however_the_engine_rounds():
+    """One class (found by the input fuzz): cross-entropy over a single logit has gradient 0
+    for every example. The slow way's norms are exactly 0; the engine's rounding left ~1e-33,
+    which is no error at all next to C (the norm check is relative to max(norm, C)), where a
+    check relative to the largest norm alone stopped the run."""
+    from raydp_train.privacy.self_check import SelfCheckReport, _compare, _SlowWay
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(2, 1))
+    clipper = PerExampleClipper(model, 1.0)
+    zeros = torch.zeros_like(clipper.flat_grad)
+    slow = _SlowWay(torch.zeros(2, dtype=torch.float64), zeros, torch.zeros(2, 1), [])
+    report = SelfCheckReport(2, tolerance(torch.float32))
+    _compare(clipper, report, torch.tensor([7.9e-34, 0.0]), zeros.clone(), None, slow)
+    assert report.passed and report.norm_error < 1e-30
+    wrong = SelfCheckReport(2, tolerance(torch.float32))  # a norm off by 1e-3 C still fails
+    _compare(clipper, wrong, torch.tensor([1e-3, 0.0]), zeros.clone(), None, slow)
+    assert not wrong.passed

@@ -131,7 +131,10 @@ def _square(values: Tensor) -> float:
 
 def _compare(clipper, report: SelfCheckReport, engine_norms: Tensor, engine_sum: Tensor,
              parts, slow: _SlowWay) -> None:
-    scale = float(slow.norms.max().clamp(min=1e-30))
+    # Norms matter through the clip factor min(1, C / norm): an error counts relative to the
+    # largest norm or C, whichever is larger (all-zero gradients, e.g. one class, are exact
+    # however tiny the engine's rounding is).
+    scale = max(float(slow.norms.max()), clipper.clip_norm)
     report.norm_error = float((engine_norms.double().cpu() - slow.norms).abs().max()) / scale
     expected = slow.clipped_sum
     total = max(_square(expected), 1e-60) ** 0.5
