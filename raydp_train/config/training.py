@@ -11,6 +11,10 @@ from raydp_train.config.base import Section
 from raydp_train.config.errors import FieldProblem
 from raydp_train.errors import UserError
 
+# The largest learning rate or weight decay: beyond it an update overflows float32 (inf
+# weights after the noisy gradient was already released).
+MAX_RATE = 1e6
+
 
 class TrainingSetupError(UserError, ValueError):
     """The training section does not fit the model or the run; the message names the field."""
@@ -21,8 +25,8 @@ class ParamGroup(Section):
     own learning rate and weight decay; a parameter belongs to the first group that matches."""
 
     params: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-    lr: float | None = Field(None, gt=0)  # null: training.lr
-    weight_decay: float | None = Field(None, ge=0)  # null: training.weight_decay
+    lr: float | None = Field(None, gt=0, le=MAX_RATE)  # null: training.lr
+    weight_decay: float | None = Field(None, ge=0, le=MAX_RATE)  # null: training.weight_decay
 
 
 class TrainingConfig(Section):
@@ -30,9 +34,9 @@ class TrainingConfig(Section):
     batch_size: int = Field(64, gt=0)  # expected logical batch under Poisson sampling
     max_physical_batch: int = Field(256, gt=0)  # memory cap; does not change the privacy math
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: float = Field(0.1, gt=0)  # every trainable parameter no param_groups entry matches
+    lr: float = Field(0.1, gt=0, le=MAX_RATE)  # any trainable parameter no param_groups takes
     momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=MAX_RATE)
     param_groups: list[ParamGroup] = Field(default_factory=list)
     # Hugging Face `get_scheduler` names; the multiplier of every group's lr, stepped once per
     # logical (DP) step. `constant` with a warmup is HF's constant_with_warmup.
