@@ -82,5 +82,24 @@ def connect(address: str | None, training, num_cpus: int, verbose: bool = False)
     check_address(address)
     if not address:
         check_local_gpu(training)
-    ensure_ray(address, num_cpus=num_cpus, verbose=verbose)
+    try:
+        ensure_ray(address, num_cpus=num_cpus, verbose=verbose)
+    except UserError:
+        raise
+    except Exception as error:
+        raise ResourceError(ray_start_problem(address, error)) from error
     check_cluster(training)
+
+
+def ray_start_problem(address: str | None, error: Exception) -> str:
+    """One line for a Ray that would not start or let us join: its cause, and what to try."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    cause = (lines[0] if lines else type(error).__name__)[:200]
+    if address and address != "local":
+        return (f"--address {address}: could not join the Ray cluster ({cause}); check that "
+                "it runs the same Ray version as this machine (`ray --version`) and that this "
+                "machine can reach every node, or unset it to run on an embedded local Ray")
+    return (f"an embedded local Ray did not start ({cause}); Ray gives its processes 30 s: "
+            "on a busy machine try again with fewer other processes running, point RAY_TMPDIR "
+            "at a short local folder with free space, or start Ray yourself (`ray start "
+            "--head`) and pass --address")

@@ -60,3 +60,29 @@ def test_addresses_are_probed_at_ray_s_ports(address, expected):
 def test_a_port_that_is_not_a_number_is_refused():
     with pytest.raises(ResourceError, match="expected HOST:PORT"):
         _host_port("head:abc")
+
+
+@pytest.mark.parametrize("address", [None, "127.0.0.1:6379"])
+def test_ray_failing_to_start_is_one_line_with_what_to_try(address, monkeypatch, capsys):
+    """`ray.init` raising, as on a busy machine (Ray's own words), is one `error:` line, exit
+    2, before anything is spent; no traceback from inside Ray."""
+    import ray
+
+    from raydp_train import resources
+    from raydp_train.cli import main
+
+    def busy_machine(**kwargs):
+        raise Exception("The current node timed out during startup. This could happen because "
+                        "some of the raylet failed to startup or the GCS has become overloaded.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", busy_machine)
+    monkeypatch.setattr(resources, "check_address", lambda address: None)  # "it answers"
+    argv = ["run", "pipelines/quickstart.yaml"] + (["--address", address] if address else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "The current node timed out during startup" in lines[0]
+    remedy = "could not join the Ray cluster" if address else "RAY_TMPDIR"
+    assert remedy in lines[0]
