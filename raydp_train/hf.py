@@ -96,9 +96,14 @@ def transformers_model(auto_class: str, config, folder: str | None, weights: Wei
         hf_config = transformers.AutoConfig.for_model(**{**config.config, **options})
     elif weights == "pretrained":
         try:
-            return model_class.from_pretrained(folder, **options)
+            model, loading = model_class.from_pretrained(folder, output_loading_info=True,
+                                                         **options)
         except (OSError, ValueError) as error:
             raise HFModelError(f"model.name_or_path: cannot load {folder!r}: {error}") from error
+        # Not in the checkpoint, so initialized here (e.g. a new head or pooler): what an
+        # adapter must carry for the checkpoint plus the adapter to be this model (lora.py).
+        model.newly_initialized = sorted(loading["missing_keys"])
+        return model
     else:
         try:
             hf_config = transformers.AutoConfig.from_pretrained(folder, **options)

@@ -144,18 +144,53 @@ def merged(model: nn.Module) -> nn.Module:
 
 def save_adapter(model: nn.Module, folder: Path) -> None:
     """The adapters alone, in peft's format (adapter_config.json, adapter_model.safetensors),
-    named as peft names the adapters of the model raydp_train built."""
+    so that `PeftModel.from_pretrained(<the base checkpoint>, folder)` is the trained model:
+    keys as peft names them on the Hugging Face model inside ours, and every module with a
+    trained parameter (the head, norms, biases) or a parameter the checkpoint lacked in
+    `modules_to_save`, stored whole."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
+    prefix, inner = _peft_base(model)
     adapters = {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
-    first = next(iter(adapters.values()))
     state = {}
     for name, module in adapters.items():
-        state[f"{name}.lora_A.weight"] = module.lora_A.detach().cpu().contiguous()
-        state[f"{name}.lora_B.weight"] = module.lora_B.detach().cpu().contiguous()
+        key = f"base_model.model.{name.removeprefix(prefix)}"
+        state[f"{key}.lora_A.weight"] = module.lora_A.detach().cpu().contiguous()
+        state[f"{key}.lora_B.weight"] = module.lora_B.detach().cpu().contiguous()
+    kept = _modules_to_save(model, prefix, inner, adapters)
+    for name in kept:
+        for key, value in model.get_submodule(prefix + name).state_dict().items():
+            state[f"base_model.model.{name}.{key}"] = value.detach().cpu().contiguous()
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state, folder / "adapter_model.safetensors")
+    first = next(iter(adapters.values()))
     rank = first.lora_A.shape[0]
     LoraConfig(r=rank, lora_alpha=first.scaling * rank, bias="none",
-               target_modules=list(adapters)).save_pretrained(folder)
+               target_modules=[name.removeprefix(prefix) for name in adapters],
+               modules_to_save=kept or None, fan_in_fan_out=_transposed(first.base_layer),
+               base_model_name_or_path=getattr(inner, "name_or_path", None) or None,
+               ).save_pretrained(folder)
+
+
+def _peft_base(model: nn.Module) -> tuple[str, nn.Module]:
+    """The model peft would wrap: the Hugging Face model inside ours ("model.", model.model)
+    if there is one, else ours ("", model)."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "config") and hasattr(inner, "base_model"):
+        return "model.", inner
+    return "", model
+
+
+def _modules_to_save(model: nn.Module, prefix: str, inner: nn.Module, adapters) -> list[str]:
+    """Names (under `prefix`) of the modules that own a trained parameter outside the
+    adapters, or a parameter the checkpoint did not hold."""
+    fresh = set(getattr(inner, "newly_initialized", ()))
+    owners = []
+    for name, parameter in model.named_parameters():
+        owner = name.rpartition(".")[0]
+        if owner in adapters or not name.startswith(prefix):
+            continue
+        if parameter.requires_grad or name.removeprefix(prefix) in fresh:
+            owners.append(owner.removeprefix(prefix))
+    return list(dict.fromkeys(owners))
