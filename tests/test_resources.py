@@ -72,8 +72,9 @@ def test_ray_failing_to_start_is_one_line_with_what_to_try(address, monkeypatch,
     from raydp_train.cli import main
 
     def busy_machine(**kwargs):
-        raise Exception("The current node timed out during startup. This could happen because "
-                        "some of the raylet failed to startup or the GCS has become overloaded.")
+        raise Exception("The current node timed out during startup. This could happen "  # noqa: TRY002 -- Ray's own
+                        "because some of the raylet failed to startup or the GCS has become "
+                        "overloaded.")
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", busy_machine)
