@@ -15,6 +15,7 @@ from raydp_train.budget_commands import add_budget_command
 from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.errors import UserError
 from raydp_train.generate import add_generate_command
+from raydp_train.predict import add_predict_command
 from raydp_train.quiet import quiet_third_party
 from raydp_train.worker_errors import WorkerBug
 
@@ -100,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     report_command.add_argument("run_dir", metavar="RUN_DIR")
     report_command.set_defaults(command=report)
     add_generate_command(commands, [verbose])
+    add_predict_command(commands, [verbose])
     add_budget_command(commands, [verbose])
     return parser
 

@@ -130,6 +130,8 @@ def write_run_record(
         "training": training_statement(pipeline, result),
         "written_to": locations_statement(run_dir, pipeline),
         "baselines": result.baselines,  # accuracies to beat: chance, the test majority class
+        # What rebuilds the model from pipeline.yaml and model.pt (predict.load_model).
+        "model": _model_shape(result),
         # Peak resident memory (MB) of this process and of each worker, to size a cluster by.
         "memory": {"driver_peak_rss_mb": peak_rss_mb(),
                    "worker_peak_rss_mb": result.peak_rss_mb,
@@ -148,6 +150,13 @@ def write_run_record(
                       getattr(pipeline.data, "label_names", None))
     mechanism.save_extras(result.model, run_dir)
     return path
+
+
+def _model_shape(result) -> dict | None:
+    if not getattr(result, "data_shape", ()):
+        return None
+    feature_shape, num_classes = result.data_shape
+    return {"feature_shape": list(feature_shape), "num_classes": int(num_classes)}
 
 
 def locations_statement(run_dir: Path, pipeline: Pipeline) -> dict:

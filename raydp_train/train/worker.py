@@ -55,6 +55,7 @@ class TrainResult:
     nodes: list[str] = field(default_factory=list)  # each rank's node (its IP address)
     # Each rank's (engine self-checks run, their seconds): privacy.self_check's cost.
     self_checks: list[tuple[int, float]] = field(default_factory=list)
+    data_shape: tuple = ()  # (one example's feature shape, classes): what rebuilds the model
 
 
 def _shared_seed(pipeline, context) -> int:
@@ -109,6 +110,7 @@ def train(
 
     causal = is_causal_lm(pipeline.model)
     result = TrainResult(model=model, noise_mode=noise_mode,
+                         data_shape=(list(local.feature_shape), local.num_classes),
                          baselines={} if causal else _baselines(local, context),
                          shard_sizes=context.gather(local.num_train),
                          data_mb=context.gather(round(data_mb, 1)),

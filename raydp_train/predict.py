@@ -1,0 +1,169 @@
+"""`raydp-train predict RUN_DIR --data FILE`, and `load_model(RUN_DIR)` for Python: a run's
+released classifier, rebuilt as the pipeline built it, on a Parquet file laid out as the
+run's training data (the same columns; the labels, where the file has them, give the
+accuracy). Predicting with a released model is post-processing: it spends no privacy.
+
+Non-Hugging Face kinds are rebuilt from `pipeline.yaml` and `model.pt`, with the input shape
+and class count the run recorded (`record.json: model`); a Hugging Face run from its saved
+`model/` folder with the pooling it trained with (transformers' own class pools the [CLS]
+token: a mean-pooled run loads here, not there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from raydp_train.errors import UserError
+
+
+class PredictError(UserError, ValueError):
+    """The run directory or the data file cannot be used for predictions."""
+
+
+@dataclass
+class Predictions:
+    classes: np.ndarray  # [N] the predicted class of each row
+    accuracy: float | None  # against the file's labels, None if it has none
+
+
+def add_predict_command(commands, parents: list) -> None:
+    summary = "predict the classes of a Parquet file with a run's released model"
+    command = commands.add_parser("predict", help=summary, description=summary, parents=parents)
+    command.add_argument("run_dir", metavar="RUN_DIR")
+    command.add_argument("--data", required=True, metavar="FILE",
+                         help="a Parquet file with the run's feature (and label) columns")
+    command.add_argument("--output", metavar="FILE",
+                         help="write the predictions here (Parquet: row, prediction)")
+    command.set_defaults(command=predict_command)
+
+
+def predict_command(args: argparse.Namespace) -> int:
+    result = predict(Path(args.run_dir), Path(args.data))
+    print(f"{len(result.classes)} rows predicted")
+    if result.accuracy is not None:
+        print(f"accuracy                {result.accuracy:.4f}")
+    if args.output:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"row": np.arange(len(result.classes)),
+                                 "prediction": result.classes}), args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def predict(run_dir: Path, data: Path) -> Predictions:
+    """The run's model on every row of `data`, in batches, in this process."""
+    import torch
+
+    pipeline = _pipeline(run_dir)
+    dataset = _read(pipeline, data).to_torch()
+    model = load_model(run_dir)
+    with torch.no_grad():
+        classes = torch.cat([model(batch).argmax(-1)
+                             for batch in dataset.test_features.split(256)]).numpy()
+    labels = dataset.test_labels.numpy()
+    has_labels = _has_labels(pipeline, data)
+    accuracy = float(np.mean(classes == labels)) if has_labels and len(labels) else None
+    return Predictions(classes, accuracy)
+
+
+def load_model(run_dir: str | Path):
+    """The run's released classifier (an nn.Module in eval mode), as its pipeline built it."""
+    import torch
+
+    run_dir = Path(run_dir)
+    pipeline = _pipeline(run_dir)
+    config = pipeline.model
+    if getattr(config, "task", None) == "causal_lm":
+        raise PredictError(f"{run_dir}: a causal language model; use `raydp-train generate`")
+    if config.kind == "hf":
+        return _hf_model(run_dir, config).eval()
+    from raydp_train.models import build_model
+
+    shape = _recorded(run_dir)
+    model = build_model(config, tuple(shape["feature_shape"]), shape["num_classes"])
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+    return model.eval()
+
+
+def _hf_model(run_dir: Path, config):
+    from raydp_train.hf import build_hf_model
+    from raydp_train.hf_files import resolve_name_or_path
+    from raydp_train.hf_heads import resolve_pooling
+
+    trained = None if config.config is not None else resolve_name_or_path(config.name_or_path)
+    pooling, normalize = resolve_pooling(config, trained)
+    saved = config.model_copy(update={
+        "name_or_path": str(run_dir / "model"), "config": None, "pooling": pooling,
+        "normalize": normalize if pooling == "mean" else None, "head_init": "default"})
+    labels = json.loads((run_dir / "model" / "config.json").read_text()).get("id2label", {})
+    return build_hf_model(saved, num_labels=max(len(labels), 2))
+
+
+def _pipeline(run_dir: Path):
+    from raydp_train.config.pipeline import load_pipeline
+
+    if not (run_dir / "pipeline.yaml").is_file() or not (run_dir / "record.json").is_file():
+        raise PredictError(f"{run_dir}: not the directory of a finished run (no pipeline.yaml "
+                           "and record.json)")
+    return load_pipeline(run_dir / "pipeline.yaml")
+
+
+def _recorded(run_dir: Path) -> dict:
+    shape = json.loads((run_dir / "record.json").read_text()).get("model")
+    if not shape:
+        raise PredictError(f"{run_dir}: its record.json has no `model` (input shape, classes): "
+                           "written by a version before 0.4; rebuild the model with "
+                           "raydp_train.models.build_model and load model.pt")
+    return shape
+
+
+def _read(pipeline, data: Path):
+    """`data` read and checked as the run read its test file (columns, normalization, label
+    names, tokenization), labels or not."""
+    from raydp_train.config.pipeline import pipeline_from_dict
+    from raydp_train.data import load_data
+    from raydp_train.hf_files import tokenizer_source
+
+    if pipeline.data.source != "parquet":
+        raise PredictError(f"predict reads Parquet files laid out as the run's data; this run "
+                           f"trained on data.source {pipeline.data.source}")
+    if not data.is_file():
+        raise PredictError(f"--data: {data.resolve()} is not a file")
+    with tempfile.TemporaryDirectory() as scratch:
+        source = _with_labels(pipeline, data, Path(scratch))
+        raw = pipeline.model_dump(mode="json")
+        raw["data"].update(path=str(source), test_path=str(source), validation=None)
+        reading = pipeline_from_dict(raw, source=str(data))
+        return load_data(reading.data, reading.model.num_classes,
+                         tokenizer_source(reading.model))
+
+
+def _has_labels(pipeline, data: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    return pipeline.data.label_column in pq.read_schema(data).names
+
+
+def _with_labels(pipeline, data: Path, scratch: Path) -> Path:
+    """`data` itself, or (no label column) a copy in `scratch` with placeholder labels: the
+    loader checks labels, predictions ignore them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if _has_labels(pipeline, data):
+        return data
+    table = pq.read_table(data)
+    names = pipeline.data.label_names
+    placeholder = pa.array([names[0]] * table.num_rows) if names else pa.array(
+        np.zeros(table.num_rows, np.int64))
+    copy = scratch / data.name
+    pq.write_table(table.append_column(pipeline.data.label_column, placeholder), copy)
+    return copy

@@ -1,0 +1,73 @@
+"""`raydp-train predict RUN_DIR --data FILE` and `load_model` (issue 31): each model kind,
+rebuilt from its run directory, reproduces the run's recorded test accuracy on the run's own
+test file; a file without labels gets the same predictions and no accuracy."""
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from test_bad_inputs import MINILM, TINY_BERT
+from test_documented_inputs import churn, digit_tensors, sentences
+
+from raydp_train.cli import main
+from raydp_train.predict import PredictError, load_model, predict
+
+
+def _run(tmp_path: Path, name: str, data: dict, model: dict, train, test) -> tuple[Path, Path]:
+    pq.write_table(train, tmp_path / "train.parquet")
+    pq.write_table(test, tmp_path / "test.parquet")
+    pipeline = {"name": name, "data": {"source": "parquet", "path": str(tmp_path / "train.parquet"),
+                                       "test_path": str(tmp_path / "test.parquet"), **data},
+                "model": model, "privacy": {"noise_multiplier": 0.8, "delta": 1e-3},
+                "training": {"epochs": 2, "batch_size": 32, "lr": 0.2},
+                "run": {"output_dir": str(tmp_path / "runs")}}
+    (tmp_path / "p.yaml").write_text(json.dumps(pipeline))
+    assert main(["run", str(tmp_path / "p.yaml")]) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    return run_dir, tmp_path / "test.parquet"
+
+
+KINDS = {
+    "mlp-string-labels": lambda: ({"feature_columns": ["age", "spend"], "label_column": "churn",
+                                   "label_names": ["no", "yes"],
+                                   "normalize": {"age": [50, 20], "spend": [50, 20]}},
+                                  {"kind": "mlp", "hidden_sizes": [8]},
+                                  churn(200, 0, "string"), churn(80, 1, "string")),
+    "cnn-tensors": lambda: ({"tensor_column": "image"},
+                            {"kind": "cnn", "channels": [4], "hidden_size": 8},
+                            digit_tensors(160, 0), digit_tensors(60, 1)),
+    "hf-mean-pooled": lambda: ({"text_column": "sentence", "max_length": 8},
+                               {"kind": "hf", "name_or_path": MINILM, "config": TINY_BERT,
+                                "num_labels": 2, "pooling": "mean"},
+                               sentences(64), sentences(40)),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_predict_reproduces_the_runs_test_accuracy(kind, ray_session, tmp_path, capsys):
+    data, model, train, test = KINDS[kind]()
+    run_dir, test_file = _run(tmp_path, kind, data, model, train, test)
+    recorded = json.loads((run_dir / "record.json").read_text())["metrics"][-1]["test_accuracy"]
+    result = predict(run_dir, test_file)
+    assert result.accuracy == pytest.approx(recorded, abs=1e-6)
+    assert len(result.classes) == test.num_rows
+    assert not load_model(run_dir).training
+
+    capsys.readouterr()
+    assert main(["predict", str(run_dir), "--data", str(test_file), "--output",
+                 str(tmp_path / "out.parquet")]) == 0
+    assert f"accuracy                {recorded:.4f}" in capsys.readouterr().out
+    written = pq.read_table(tmp_path / "out.parquet").column("prediction").to_numpy()
+    assert (written == result.classes).all()
+
+    label = data.get("label_column", "label")
+    unlabeled = tmp_path / "unlabeled.parquet"
+    pq.write_table(test.drop_columns([label]), unlabeled)
+    blind = predict(run_dir, unlabeled)
+    assert blind.accuracy is None and (blind.classes == result.classes).all()
+
+
+def test_predict_refuses_what_is_not_a_finished_run(tmp_path):
+    with pytest.raises(PredictError, match="not the directory of a finished run"):
+        predict(tmp_path, tmp_path / "x.parquet")
