@@ -33,6 +33,7 @@ from raydp_train.preflight import check_pipeline
 from raydp_train.privacy.budget import Spend
 from raydp_train.privacy.ledger import as_uri
 from raydp_train.privacy.random_stopping import draw_trial_count
+from raydp_train.worker_errors import user_error_in
 
 SPEND_FIELDS = ("training.batch_size", "training.epochs")  # with sigma: what a trial spends
 RUNNING = "running"
@@ -351,8 +352,9 @@ def _trial_row(result, config) -> dict:
         validation_accuracy=metrics.get("validation_accuracy", math.nan),
         test_accuracy=metrics.get("test_accuracy", math.nan),
         stop_reason=stop.split(":")[0] if stop.startswith(REFUSALS) else stop)
-    if result.error:
-        row["error"] = str(result.error).splitlines()[0]
+    if result.error:  # the user's own error under Ray's wrappers, else Ray's first line
+        found = user_error_in(result.error)
+        row["error"] = str(found) if found else str(result.error).splitlines()[0]
     return row
 
 

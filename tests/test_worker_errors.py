@@ -55,3 +55,15 @@ def test_the_cli_prints_a_bug_in_one_line_and_exits_1(monkeypatch, tmp_path, cap
     assert err.strip().splitlines()[-1].startswith("error: the run failed: KeyError")
     assert ("Traceback" in err) == verbose
 
+
+
+def test_a_failed_trial_shows_the_users_error_in_the_sweep_table():
+    from types import SimpleNamespace
+
+    from raydp_train.tune import _trial_row
+
+    cause = DataError("data: column 'churn' in train.parquet is string, expected numbers")
+    failed = SimpleNamespace(metrics={}, config={"training.lr": 0.1},
+                             error=WorkerGroupError("worker 0 failed", {0: remote(cause)}))
+    row = _trial_row(failed, SimpleNamespace(search_space={"training.lr": None}))
+    assert row["stop_reason"] == "failed" and row["error"] == str(cause)
