@@ -50,7 +50,22 @@ def ensure_ray(address: str | None, num_cpus: int, verbose: bool = False) -> Non
         # `ray start --head` on this machine recorded (and refuses num_cpus there).
         # Logical CPUs may exceed the machine's: workers, the progress queue and Ray's own
         # controller must all be schedulable on a 2-core laptop (ARCHITECTURE.md §4).
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **output)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 _system_config=_startup_concurrency(), **output)
+
+
+# Python worker processes Ray may start at once. Its default, the machine's cores (2 on a
+# laptop), is below the ~8-20 processes a run or sweep starts (Train's controller and
+# workers, Ray Data's tasks, actors): the raylet then repeats "N PYTHON worker processes have
+# been started ... the maximum expected startup concurrency" next to the epochs.
+STARTUP_CONCURRENCY = 16
+
+
+def _startup_concurrency() -> dict:
+    """Ray's system setting for an embedded Ray, unless the user set their own."""
+    if os.environ.get("RAY_worker_maximum_startup_concurrency"):
+        return {}
+    return {"worker_maximum_startup_concurrency": STARTUP_CONCURRENCY}
 
 
 def fit(
