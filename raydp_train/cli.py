@@ -165,7 +165,8 @@ def run(args) -> int:
     try:
         with driving(run_dir):
             result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs),
-                         budget=budget, owner=run_dir.name, dataset=dataset)
+                         budget=budget, owner=run_dir.name, dataset=dataset,
+                         on_progress=_print_within_epoch(pipeline.training.epochs))
     except RunInterrupted:
         print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; the epoch that was running "
               f"stays counted in full.\ncontinue with: {_resume_command(args, run_dir, pipeline)}",
@@ -311,6 +312,16 @@ def _print_epoch(epochs: int):
         print(f"epoch {row['epoch']:>3}/{epochs}  step {row['steps']:>6}  "
               f"train loss {row['train_loss']:.4f}  {_test_text(row)}  "
               f"{validation}epsilon {row['epsilon']:.3f}  ({row['elapsed_s']:.1f}s)", flush=True)
+    return show
+
+
+def _print_within_epoch(epochs: int):
+    def show(row: dict) -> None:
+        done, total = row["step"] - row["first_step"], row["last_step"] - row["first_step"]
+        left = row["epoch_elapsed_s"] / max(done, 1) * (total - done)
+        print(f"  epoch {row['epoch']:>3}/{epochs}  step {row['step']:>6}  {done}/{total} of the "
+              f"epoch's steps  ({row['epoch_elapsed_s']:.0f}s, about {left:.0f}s left)",
+              flush=True)
     return show
 
 

@@ -14,6 +14,7 @@ from raydp_train.config.pipeline import load_pipeline
 from raydp_train.config.sweep import BudgetConfig
 from raydp_train.models import build_model
 from raydp_train.privacy.budget import NAMESPACE, Spend
+from raydp_train.privacy.ledger import as_uri
 from raydp_train.reports.budget import ledger_rows
 
 SPEND = Spend(0.02, 1.0, 50)
@@ -89,6 +90,7 @@ def test_sweep_spends_one_budget_until_it_is_exhausted(ray_session, tmp_path, ca
     assert max(r["running_epsilon"] for r in rows) <= 4.5
     assert summary["privacy"]["epsilon"] == pytest.approx(rows[-1]["running_epsilon"], rel=1e-6)
     assert "privacy of the whole sweep: epsilon" in output and "budget exhausted" in output
+    assert f"ledger: {as_uri(str(tmp_path / 'budgets'))}" in output  # printed by what spends
     assert_best_model_loads(sweep_dir, summary["best"])
 
     # A run on the same, now (nearly) spent, budget stops cleanly where the budget ends. Which

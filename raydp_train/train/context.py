@@ -38,6 +38,9 @@ class LocalContext:
         """No Ray Data shards: the loop reads its data itself."""
         return None
 
+    def show_progress(self, row: dict) -> None:
+        """In this process (a sweep's one-worker trial): its epochs are what Tune shows."""
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         pass
 
@@ -161,6 +164,11 @@ class RayTrainContext:
             return None
         with checkpoint.as_directory() as directory:
             return torch.load(Path(directory) / STATE_FILE, map_location=self.device)
+
+    def show_progress(self, row: dict) -> None:
+        """Rank 0's place within a long epoch, for the driver's console."""
+        if self.rank == 0:
+            self.progress_queue.put({**row, "within_epoch": True})
 
     def report(self, row: dict, state: dict) -> None:
         import ray.train

@@ -80,6 +80,7 @@ def fit(
     dataset=None,
     ceiling: Charged | None = None,
     concurrent_runs: int = 1,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> TrainResult:
     """Train on Ray Train with `training.workers` workers; resumes if `run_dir` has a checkpoint.
 
@@ -90,6 +91,7 @@ def fit(
     `dataset` (loaded, e.g. split in memory, by the driver) through the object store.
     `fail_at_step` makes the last rank raise once at that step (tests of restarts).
     `concurrent_runs`: how many runs (a sweep's trials) may share the machines with this one.
+    `on_progress` gets rank 0's place within an epoch every PROGRESS_EVERY_S seconds.
     """
     run_dir = Path(run_dir).resolve()
     for name, value in TRAIN_SETTINGS.items():  # a user's own value wins
@@ -130,7 +132,8 @@ def fit(
     )
     clear_stop(run_dir)
     stop = threading.Event()
-    printer = threading.Thread(target=_print_progress, args=(progress, on_epoch, stop), daemon=True)
+    printer = threading.Thread(target=_print_progress, daemon=True,
+                               args=(progress, on_epoch, on_progress, stop))
     printer.start()
     try:
         result = _fit_until_stopped(trainer, run_dir)
@@ -202,11 +205,16 @@ def _fit_until_stopped(trainer: TorchTrainer, run_dir: Path):
     return outcome["result"]
 
 
-def _print_progress(progress: Queue, on_epoch, stop: threading.Event) -> None:
-    """Show rank 0's per-epoch rows on the driver as they arrive (Ray's logs stay quiet)."""
+def _print_progress(progress: Queue, on_epoch, on_progress, stop: threading.Event) -> None:
+    """Show rank 0's per-epoch rows on the driver as they arrive (Ray's logs stay quiet), and
+    its rows from within a long epoch through `on_progress`, if given."""
     while True:
         try:
-            on_epoch(progress.get(timeout=0.5))
+            row = progress.get(timeout=0.5)
+            if not row.get("within_epoch"):
+                on_epoch(row)
+            elif on_progress is not None:
+                on_progress(row)
         except Empty:
             if stop.is_set():
                 return

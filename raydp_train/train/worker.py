@@ -28,6 +28,9 @@ from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scal
 from raydp_train.train.step import AUTOCAST_DTYPES, cross_entropy_loss, private_step
 from raydp_train.train.threads import use_threads
 
+# Seconds between progress lines within an epoch (SST-2 epochs take minutes).
+PROGRESS_EVERY_S = 30.0
+
 
 @dataclass
 class TrainResult:
@@ -146,6 +149,8 @@ def train(
             break
         model.train()
         loss_sum, seen = 0.0, 0
+        epoch_start = shown = time.monotonic()
+        first_step = step
         while step < ends[epoch - 1]:
             mechanism.refresh(step, epoch)
             sample = poisson_sample(local.num_train, plan.sampling_rate, sampling_generator)
@@ -161,6 +166,11 @@ def train(
             loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
             if step == fail_at_step:
                 context.fail_once(step)
+            if time.monotonic() - shown >= PROGRESS_EVERY_S:  # a long epoch: where it is
+                shown = time.monotonic()
+                context.show_progress({"epoch": epoch, "step": step, "first_step": first_step,
+                                       "last_step": ends[epoch - 1],
+                                       "epoch_elapsed_s": shown - epoch_start})
         totals = torch.tensor([loss_sum, seen], dtype=torch.float64, device=context.device)
         context.all_reduce_sum(totals)
         row = {
