@@ -63,23 +63,25 @@ def predict(run_dir: Path, data: Path) -> Predictions:
     import torch
 
     pipeline = _pipeline(run_dir)
-    dataset = _read(pipeline, data).to_torch()
-    model = load_model(run_dir)
+    model = _released_model(Path(run_dir), pipeline)
+    dataset, labelled = _read(pipeline, data)
+    dataset = dataset.to_torch()
     with torch.no_grad():
         classes = torch.cat([model(batch).argmax(-1)
                              for batch in dataset.test_features.split(256)]).numpy()
     labels = dataset.test_labels.numpy()
-    has_labels = _has_labels(pipeline, data)
-    accuracy = float(np.mean(classes == labels)) if has_labels and len(labels) else None
+    accuracy = float(np.mean(classes == labels)) if labelled and len(labels) else None
     return Predictions(classes, accuracy)
 
 
 def load_model(run_dir: str | Path):
     """The run's released classifier (an nn.Module in eval mode), as its pipeline built it."""
+    return _released_model(Path(run_dir), _pipeline(Path(run_dir)))
+
+
+def _released_model(run_dir: Path, pipeline):
     import torch
 
-    run_dir = Path(run_dir)
-    pipeline = _pipeline(run_dir)
     config = pipeline.model
     if getattr(config, "task", None) == "causal_lm":
         raise PredictError(f"{run_dir}: a causal language model; use `raydp-train generate`")
@@ -127,7 +129,7 @@ def _recorded(run_dir: Path) -> dict:
 
 def _read(pipeline, data: Path):
     """`data` read and checked as the run read its test file (columns, normalization, label
-    names, tokenization), labels or not."""
+    names, tokenization), and whether it has labels."""
     from raydp_train.config.pipeline import pipeline_from_dict
     from raydp_train.data import load_data
     from raydp_train.hf_files import tokenizer_source
@@ -137,29 +139,32 @@ def _read(pipeline, data: Path):
                            f"trained on data.source {pipeline.data.source}")
     if not data.is_file():
         raise PredictError(f"--data: {data.resolve()} is not a file")
+    labelled = _has_labels(pipeline, data)
     with tempfile.TemporaryDirectory() as scratch:
-        source = _with_labels(pipeline, data, Path(scratch))
+        source = data if labelled else _unlabeled_copy(pipeline, data, Path(scratch))
         raw = pipeline.model_dump(mode="json")
         raw["data"].update(path=str(source), test_path=str(source), validation=None)
         reading = pipeline_from_dict(raw, source=str(data))
         return load_data(reading.data, reading.model.num_classes,
-                         tokenizer_source(reading.model))
+                         tokenizer_source(reading.model)), labelled
 
 
 def _has_labels(pipeline, data: Path) -> bool:
     import pyarrow.parquet as pq
 
-    return pipeline.data.label_column in pq.read_schema(data).names
+    try:
+        names = pq.read_schema(data).names
+    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+        raise PredictError(f"--data: {data}: not a Parquet file ({error})") from error
+    return pipeline.data.label_column in names
 
 
-def _with_labels(pipeline, data: Path, scratch: Path) -> Path:
-    """`data` itself, or (no label column) a copy in `scratch` with placeholder labels: the
-    loader checks labels, predictions ignore them."""
+def _unlabeled_copy(pipeline, data: Path, scratch: Path) -> Path:
+    """A copy of `data` (no label column) in `scratch` with placeholder labels: the loader
+    checks labels, predictions ignore them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if _has_labels(pipeline, data):
-        return data
     table = pq.read_table(data)
     names = pipeline.data.label_names
     placeholder = pa.array([names[0]] * table.num_rows) if names else pa.array(
