@@ -5,8 +5,8 @@ accuracy). Predicting with a released model is post-processing: it spends no pri
 
 Non-Hugging Face kinds are rebuilt from `pipeline.yaml` and `model.pt`, with the input shape
 and class count the run recorded (`record.json: model`); a Hugging Face run from its saved
-`model/` folder with the pooling it trained with (transformers' own class pools the [CLS]
-token: a mean-pooled run loads here, not there).
+`model/` folder; a mean-pooled one (saved as transformers custom code, hf_mean_pooled.py)
+through that class, here without trust_remote_code.
 """
 
 from __future__ import annotations
@@ -96,17 +96,21 @@ def _released_model(run_dir: Path, pipeline):
 
 
 def _hf_model(run_dir: Path, config):
-    from raydp_train.hf import build_hf_model
-    from raydp_train.hf_files import resolve_name_or_path
-    from raydp_train.hf_heads import resolve_pooling
+    from raydp_train.hf import SequenceClassifier, build_hf_model
+    from raydp_train.hf_heads import MeanPoolingHead
 
-    trained = None if config.config is not None else resolve_name_or_path(config.name_or_path)
-    pooling, normalize = resolve_pooling(config, trained)
-    saved = config.model_copy(update={
-        "name_or_path": str(run_dir / "model"), "config": None, "pooling": pooling,
-        "normalize": normalize if pooling == "mean" else None, "head_init": "default"})
-    labels = json.loads((run_dir / "model" / "config.json").read_text()).get("id2label", {})
-    return build_hf_model(saved, num_labels=max(len(labels), 2))
+    folder = run_dir / "model"
+    saved = json.loads((folder / "config.json").read_text())
+    if saved.get("model_type") == "raydp_mean_pooled":  # reports/run.py save_mean_pooled
+        from raydp_train.hf_mean_pooled import MeanPooledForSequenceClassification
+
+        wrapper = MeanPooledForSequenceClassification.from_pretrained(folder)
+        head = wrapper.model.get_submodule(wrapper.config.head)
+        return SequenceClassifier(wrapper.model, MeanPoolingHead(head, wrapper.config.normalize))
+    plain = config.model_copy(update={"name_or_path": str(folder), "config": None,
+                                      "pooling": "cls", "normalize": None,
+                                      "head_init": "default"})
+    return build_hf_model(plain, num_labels=max(len(saved.get("id2label", {})), 2))
 
 
 def _pipeline(run_dir: Path):

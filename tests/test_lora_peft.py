@@ -17,33 +17,70 @@ transformers = pytest.importorskip("transformers", reason="transformers is a run
 peft = pytest.importorskip("peft", reason="peft is a runtime dependency (DP-LoRA's adapters)")
 
 
+SETTINGS = ["privacy.mechanism=lora", "privacy.lora.rank=2", "privacy.clip_norm=1.0",
+            'privacy.lora.layers=["*query", "*value"]', "training.epochs=2", "training.lr=0.5",
+            "run.seed=0"]
+
+
+def _lora_run(tmp_path, pooling: str):
+    pipeline = text_pipeline(tmp_path, pooling=pooling)
+    assert main(["run", pipeline, *[x for s in SETTINGS for x in ("--set", s)]]) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    return run_dir, json.loads((run_dir / "record.json").read_text())
+
+
+def _test_split(tmp_path):
+    """The test split: 20% of the rows (data.train_fraction 0.8) in the order a generator
+    seeded with data.random_state (42) permutes them, 8 tokens each."""
+    table = pq.read_table(tmp_path / "text.parquet")
+    order = np.random.default_rng(42).permutation(table.num_rows)
+    test_rows = table.take(order[round(0.8 * table.num_rows):])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_name_or_path(MINILM))
+    inputs = tokenizer(test_rows.column("sentence").to_pylist(), max_length=8,
+                       padding="max_length", truncation=True, return_tensors="pt")
+    return inputs, np.asarray(test_rows.column("label"))
+
+
+def _base():
+    return transformers.AutoModelForSequenceClassification.from_pretrained(
+        resolve_name_or_path(MINILM), num_labels=2)
+
+
 def test_the_adapter_alone_on_the_checkpoint_reproduces_the_runs_accuracy(ray_session,
                                                                          tmp_path):
-    pipeline = text_pipeline(tmp_path, pooling="cls")
-    settings = ["privacy.mechanism=lora", "privacy.lora.rank=2", "privacy.clip_norm=1.0",
-                'privacy.lora.layers=["*query", "*value"]', "training.epochs=2",
-                "training.lr=0.5", "run.seed=0"]
-    assert main(["run", pipeline, *[x for s in settings for x in ("--set", s)]]) == 0
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    record = json.loads((run_dir / "record.json").read_text())
-
-    checkpoint = resolve_name_or_path(MINILM)
-    base = transformers.AutoModelForSequenceClassification.from_pretrained(checkpoint,
-                                                                          num_labels=2)
-    adapted = peft.PeftModel.from_pretrained(base, run_dir / "adapter").eval()
+    run_dir, record = _lora_run(tmp_path, "cls")
+    adapted = peft.PeftModel.from_pretrained(_base(), run_dir / "adapter").eval()
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     assert "classifier" in config["modules_to_save"]  # the head trained by DP-SGD
 
-    # The test split: the last 20% of the rows (data.train_fraction 0.8), 8 tokens each.
-    table = pq.read_table(tmp_path / "text.parquet")
-    test_rows = table.slice(int(0.8 * table.num_rows))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-    inputs = tokenizer(test_rows.column("sentence").to_pylist(), max_length=8,
-                       padding="max_length", truncation=True, return_tensors="pt")
+    inputs, labels = _test_split(tmp_path)
     with torch.no_grad():
         predicted = adapted(**inputs).logits.argmax(-1).numpy()
         merged = transformers.AutoModelForSequenceClassification.from_pretrained(
             run_dir / "model").eval()(**inputs).logits
         torch.testing.assert_close(adapted(**inputs).logits, merged, rtol=1e-4, atol=1e-5)
-    accuracy = float(np.mean(predicted == np.asarray(test_rows.column("label"))))
+    accuracy = float(np.mean(predicted == labels))
+    assert accuracy == pytest.approx(record["metrics"][-1]["test_accuracy"], abs=1e-6)
+
+
+def test_a_mean_pooled_adapter_is_refused_on_the_cls_class_and_exact_on_the_wrapper(
+        ray_session, tmp_path):
+    """MiniLM pools by mean: on the checkpoint's own class (which pools [CLS]) peft finds no
+    module the adapter names; on the checkpoint wrapped by hf_mean_pooled it is the run."""
+    from raydp_train.hf_mean_pooled import mean_pooled
+
+    run_dir, record = _lora_run(tmp_path, "mean")
+    with pytest.raises(ValueError, match="not found in the base model"):
+        peft.PeftModel.from_pretrained(_base(), run_dir / "adapter")
+
+    trained = json.loads((run_dir / "model" / "config.json").read_text())
+    wrapper = mean_pooled(_base(), trained["head"], trained["normalize"])
+    adapted = peft.PeftModel.from_pretrained(wrapper, run_dir / "adapter").eval()
+    inputs, labels = _test_split(tmp_path)
+    with torch.no_grad():
+        logits = adapted(**inputs).logits
+        merged = transformers.AutoModelForSequenceClassification.from_pretrained(
+            run_dir / "model", trust_remote_code=True).eval()(**inputs).logits
+    torch.testing.assert_close(logits, merged, rtol=1e-4, atol=1e-5)
+    accuracy = float(np.mean(logits.argmax(-1).numpy() == labels))
     assert accuracy == pytest.approx(record["metrics"][-1]["test_accuracy"], abs=1e-6)

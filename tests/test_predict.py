@@ -66,6 +66,27 @@ def test_predict_reproduces_the_runs_test_accuracy(kind, ray_session, tmp_path, 
     pq.write_table(test.drop_columns([label]), unlabeled)
     blind = predict(run_dir, unlabeled)
     assert blind.accuracy is None and (blind.classes == result.classes).all()
+    if model["kind"] == "hf":
+        _check_transformers_alone(run_dir, test, recorded, list(result.classes))
+
+
+def _check_transformers_alone(run_dir: Path, test, recorded: float, classes: list) -> None:
+    """The mean-pooled `model/` with transformers' pipeline alone: the run's accuracy with
+    trust_remote_code (its pooling is custom code), a refusal without it, never [CLS]."""
+    transformers = pytest.importorskip("transformers", reason="a runtime dependency")
+    sentences = test.column("sentence").to_pylist()
+    classify = transformers.pipeline("text-classification", model=str(run_dir / "model"),
+                                     trust_remote_code=True)
+    outputs = classify(sentences, truncation=True, max_length=8)
+    labels = classify.model.config.label2id
+    predicted = [labels[output["label"]] for output in outputs]
+    assert predicted == classes
+    accuracy = sum(p == y for p, y in zip(predicted, test.column("label").to_pylist(),
+                                          strict=True)) / len(sentences)
+    assert accuracy == pytest.approx(recorded, abs=1e-6)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        transformers.pipeline("text-classification", model=str(run_dir / "model"),
+                              trust_remote_code=False)
 
 
 def test_predict_refuses_what_is_not_a_finished_run(tmp_path):

@@ -147,28 +147,33 @@ def save_adapter(model: nn.Module, folder: Path) -> None:
     so that `PeftModel.from_pretrained(<the base checkpoint>, folder)` is the trained model:
     keys as peft names them on the Hugging Face model inside ours, and every module with a
     trained parameter (the head, norms, biases) or a parameter the checkpoint lacked in
-    `modules_to_save`, stored whole."""
+    `modules_to_save`, stored whole. A mean-pooled classifier's names keep their `model.`: they
+    fit the checkpoint wrapped by hf_mean_pooled.mean_pooled, and peft refuses them on the
+    checkpoint's own class, which would pool [CLS] instead."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
     prefix, inner = _peft_base(model)
+    kept_prefix = prefix if getattr(model, "pooling", "cls") == "mean" else ""
     adapters = {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
     state = {}
     for name, module in adapters.items():
-        key = f"base_model.model.{name.removeprefix(prefix)}"
+        key = f"base_model.model.{kept_prefix}{name.removeprefix(prefix)}"
         state[f"{key}.lora_A.weight"] = module.lora_A.detach().cpu().contiguous()
         state[f"{key}.lora_B.weight"] = module.lora_B.detach().cpu().contiguous()
     kept = _modules_to_save(model, prefix, inner, adapters)
     for name in kept:
         for key, value in model.get_submodule(prefix + name).state_dict().items():
-            state[f"base_model.model.{name}.{key}"] = value.detach().cpu().contiguous()
+            key = f"base_model.model.{kept_prefix}{name}.{key}"
+            state[key] = value.detach().cpu().contiguous()
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state, folder / "adapter_model.safetensors")
     first = next(iter(adapters.values()))
     rank = first.lora_A.shape[0]
     LoraConfig(r=rank, lora_alpha=first.scaling * rank, bias="none",
-               target_modules=[name.removeprefix(prefix) for name in adapters],
-               modules_to_save=kept or None, fan_in_fan_out=_transposed(first.base_layer),
+               target_modules=[kept_prefix + name.removeprefix(prefix) for name in adapters],
+               modules_to_save=[kept_prefix + name for name in kept] or None,
+               fan_in_fan_out=_transposed(first.base_layer),
                base_model_name_or_path=getattr(inner, "name_or_path", None) or None,
                ).save_pretrained(folder)
 

@@ -171,11 +171,31 @@ def save_hf_model(model, config, folder: Path, label_names: list[str] | None = N
     if label_names is not None:
         model.model.config.id2label = dict(enumerate(label_names))
         model.model.config.label2id = {name: i for i, name in enumerate(label_names)}
-    model.model.save_pretrained(folder)
+    if getattr(model, "pooling", "cls") == "mean":
+        save_mean_pooled(model, folder)
+    else:
+        model.model.save_pretrained(folder)
     if config.name_or_path is not None:
         from raydp_train.hf_files import load_tokenizer
 
         load_tokenizer(config).save_pretrained(folder)
+
+
+def save_mean_pooled(model, folder: Path) -> None:
+    """A mean-pooled classifier as transformers custom code (hf_mean_pooled.py): it loads with
+    trust_remote_code=True, and is refused without it rather than pooling [CLS] silently."""
+    from raydp_train.hf_mean_pooled import (
+        MeanPooledConfig,
+        MeanPooledForSequenceClassification,
+        mean_pooled,
+    )
+
+    linear = model.pooling_head.linear
+    head = next(name for name, module in model.model.named_modules() if module is linear)
+    MeanPooledConfig.register_for_auto_class()
+    MeanPooledForSequenceClassification.register_for_auto_class(
+        "AutoModelForSequenceClassification")
+    mean_pooled(model.model, head, model.pooling_head.normalize).save_pretrained(folder)
 
 
 def read_record(run_dir: Path) -> dict:
