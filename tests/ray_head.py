@@ -31,6 +31,7 @@ class RayHead:
     env: dict  # for clients: RAY_TMPDIR of the head, no RAY_ADDRESS, auth off, the marker
     address: str  # GCS, for RAY_ADDRESS
     dashboard: str  # http://..., for `ray job submit --address`
+    blocking: subprocess.Popen | None = None  # `ray start --block`: the head lives as long
 
 
 def isolated_env(marker: Path, ray_tmpdir: Path | None = None) -> dict:
@@ -44,7 +45,9 @@ def isolated_env(marker: Path, ray_tmpdir: Path | None = None) -> dict:
     return env
 
 
-def start_head(num_cpus: int = 4) -> RayHead:
+def start_head(num_cpus: int = 4, block: bool = False) -> RayHead:
+    """`block`: as the README starts one (`ray start --block &`), so that ending that one
+    process stops this head and every process it started, and no other Ray."""
     temp = Path(tempfile.mkdtemp(prefix="rdp", dir="/tmp"))
     # RAY_TMPDIR: the head records its address under `temp`, where a client's plain
     # ray.init() would find it, just as it finds a head started in /tmp/ray.
@@ -54,13 +57,29 @@ def start_head(num_cpus: int = 4) -> RayHead:
                "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
                "--include-dashboard", "true",
                *[str(part) for option, port in ports.items() for part in (option, port)]]
+    blocking = None
     try:
-        subprocess.run(command, env=env, check=True, timeout=180, capture_output=True)
+        if block:
+            blocking = _start_blocking([*command, "--block"], env, temp / "ray-head.log")
+        else:
+            subprocess.run(command, env=env, check=True, timeout=180, capture_output=True)
     except BaseException:
         stop_marked(str(temp))
         raise
     return RayHead(temp, env, f"127.0.0.1:{ports['--port']}",
-                   f"http://127.0.0.1:{ports['--dashboard-port']}")
+                   f"http://127.0.0.1:{ports['--dashboard-port']}", blocking)
+
+
+def _start_blocking(command: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """`ray start --block` in the background, returned once it says the head is up."""
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while "block forever" not in log.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"ray start --block did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return process
 
 
 def stop_head(head: RayHead) -> None:

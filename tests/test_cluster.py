@@ -7,10 +7,11 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from ray_head import BIN, start_head, stop_head
+from ray_head import BIN, marked_processes, start_head, stop_head
 
 from raydp_train.privacy.ledger import as_uri
 from raydp_train.reports.budget import budget_status
@@ -88,10 +89,13 @@ def _shell(command: str, head, cwd: Path) -> subprocess.CompletedProcess:
 def test_readme_cluster_section_spends_one_budget_across_jobs(head, repository):
     commands = _walkthrough()
     assert commands[0] == "export RAY_AUTH_MODE=disabled"  # the fixture's head has it too
-    assert commands[1].startswith(".venv/bin/ray start --head")
-    assert commands[-1] == ".venv/bin/ray stop"  # the fixture stops only its own head
+    # The head's own lines (start, its PID, the wait, the kill): the fixture's head stands
+    # for them; test_the_readme_stops_its_own_head_and_no_other runs them.
+    own_head = [c for c in commands if "ray-head." in c]
+    assert own_head[0].startswith(".venv/bin/ray start --head") and own_head == [
+        *commands[1:4], commands[-1]]
     sweep = next(c for c in commands if " tune " in c)
-    for command in commands[2:-1]:
+    for command in commands[4:-1]:
         done = _shell(_as_here(command, head), head, repository)
         assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
     assert "sweep-digits-sweep-" in done.stdout  # `budget status` (last) shows the job's sweep
@@ -112,6 +116,29 @@ def test_readme_cluster_section_spends_one_budget_across_jobs(head, repository):
     assert privacy["ledger"] == as_uri(str(repository / "budgets"))
     assert after_first["epsilon_counted"] <= after_first["epsilon"]
     assert {owner.split("/")[0] for owner in after_first["owners"]} == {sweep_dir.name}
+
+
+def test_the_readme_stops_its_own_head_and_no_other(head):
+    """The README's head (`ray start --block` in the background, its PID kept) stops, all of
+    it, by the README's `kill`, while the other head on this machine runs on."""
+    commands = _walkthrough()
+    assert "--block" in commands[1] and commands[-1] == "kill $(cat ray-head.pid)"
+    own = start_head(num_cpus=1, block=True)
+    try:
+        (own.temp / "ray-head.pid").write_text(f"{own.blocking.pid}\n")
+        started = marked_processes(str(own.temp))
+        assert len(started) > 3  # the blocking start, GCS, raylet, dashboard, ...
+        done = subprocess.run(["bash", "-c", commands[-1]], cwd=own.temp, check=False)
+        assert done.returncode == 0
+        own.blocking.wait(timeout=120)
+        deadline = time.monotonic() + 60
+        while marked_processes(str(own.temp)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not marked_processes(str(own.temp))
+        assert marked_processes(str(head.temp))  # the other head is untouched
+        _jobs_seen_by(head)  # and still answers (check=True: raises if not)
+    finally:
+        stop_head(own)
 
 
 def test_a_relative_ledger_in_a_job_working_dir_copy_is_refused(head, repository):
