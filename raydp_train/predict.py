@@ -148,6 +148,7 @@ def _read(pipeline, data: Path):
         source = data if labelled else _unlabeled_copy(pipeline, data, Path(scratch))
         raw = pipeline.model_dump(mode="json")
         raw["data"].update(path=str(source), test_path=str(source), validation=None)
+        raw["tune"] = None  # a sweep's metric needs the validation split dropped here
         reading = pipeline_from_dict(raw, source=str(data))
         return load_data(reading.data, reading.model.num_classes,
                          tokenizer_source(reading.model)), labelled

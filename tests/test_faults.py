@@ -5,18 +5,16 @@ write: tests/test_budget.py.)
 """
 
 import json
-import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import dp_accounting
 import pyarrow.parquet as pq
 import pytest
+from interrupted import ctrl_c_after
 
 from raydp_train.budget_actor import actor_name
-from raydp_train.cli import EXIT_INTERRUPTED, main
+from raydp_train.cli import main
 from raydp_train.privacy.budget import NAMESPACE
 from raydp_train.reports.budget import budget_status, ledger_rows
 from raydp_train.train.charges import ChargeLedger
@@ -53,17 +51,8 @@ def test_ctrl_c_stops_before_the_next_epoch_and_the_same_command_resumes_within_
                  "training.epochs=40", "privacy.noise_multiplier=null",
                  "privacy.target_epsilon=3"]
     options = [x for o in overrides for x in ("--set", o)]
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "raydp_train", "run", str(ROOT / "pipelines/quickstart.yaml"),
-         *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    lines = []
-    for line in driver.stdout:  # its own embedded Ray; wait for a few finished epochs
-        lines.append(line)
-        if line.startswith("epoch   3/40"):
-            driver.send_signal(signal.SIGINT)
-            break
-    output = "".join(lines) + driver.communicate(timeout=120)[0]
-    assert driver.returncode == EXIT_INTERRUPTED, output
+    output = ctrl_c_after(["run", str(ROOT / "pipelines/quickstart.yaml"), *options], tmp_path,
+                          "epoch   3/40")
     assert "stopping after the epoch that is running" in output
     assert "INTERRUPTED: the last checkpoint is in" in output and "--resume" in output
 
