@@ -5,17 +5,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import shutil
 import sys
 import traceback
 from pathlib import Path
 
 from raydp_train.budget_commands import add_budget_command
-from raydp_train.config.pipeline import PipelineError, load_pipeline
+from raydp_train.config.pipeline import load_pipeline
+from raydp_train.console import baselines_text, print_summary
 from raydp_train.errors import UserError
 from raydp_train.generate import add_generate_command
-from raydp_train.predict import add_predict_command
+from raydp_train.predictions import add_predict_command
 from raydp_train.quiet import quiet_third_party
 from raydp_train.worker_errors import WorkerBug
 
@@ -114,89 +115,43 @@ def _verbose_option(default) -> argparse.ArgumentParser:
     return option
 
 
-def _prepare(args):
-    """Load and check everything before any privacy is spent (see preflight). `run` tokenizes
-    text with Ray Data, so Ray starts (or is joined) first; `validate` starts no Ray and reads
-    no model weights: it checks the pipeline, not this machine."""
-    from raydp_train.locations import check_locations, warn_if_not_shared
-    from raydp_train.preflight import check_pipeline
+def validate(args) -> int:
+    from raydp_train.api import checked
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
-    check_locations(pipeline, args.pipeline)
-    for_training = args.command is not validate
-    if for_training:
-        from raydp_train.resources import connect
-
-        connect(args.address, pipeline.training, max(4, pipeline.training.workers + 2),
-                args.verbose)
-    warn_if_not_shared(pipeline, args.address)
-    dataset, plan = check_pipeline(pipeline, for_training, getattr(args, "check_model", True))
-    return pipeline, dataset, plan
-
-
-def validate(args) -> int:
-    pipeline, dataset, plan = _prepare(args)  # first: it forks before torch is imported
-    from raydp_train.validate import print_validation
+    dataset, plan = checked(pipeline, check_model=args.check_model, address=args.address,
+                            source=args.pipeline)  # first: it forks before torch is imported
+    from raydp_train.validation import print_validation
 
     return 0 if print_validation(pipeline, dataset, plan, args.check_model) else EXIT_BUDGET_EXHAUSTED
 
 
 def run(args) -> int:
-    from raydp_train.privacy.mechanism import mechanism_named
-    from raydp_train.reports.run import new_run_dir, privacy_statement, write_run_record
-    from raydp_train.reruns import driving, run_to_continue
-    from raydp_train.train.trainer import RunInterrupted, fit
-    from raydp_train.worker_errors import explain
+    from raydp_train import api
+    from raydp_train.reports.budget import status_text
+    from raydp_train.reruns import command_choices
 
-    pipeline, dataset, plan = _prepare(args)
-    resumed = _resumed_run_dir(args.resume, pipeline) if args.resume else None
-    if resumed is None and not args.new:
-        resumed = run_to_continue(pipeline, args.pipeline, _same_command(args))
-        if resumed is not None:
-            print(f"continuing the unfinished run {resumed} of this pipeline from its last "
-                  "checkpoint (run.on_interrupted: resume; --new starts another)", flush=True)
-    budget = _open_budget(pipeline)  # a bad budget or ledger: refused before a run directory
-    run_dir = resumed or new_run_dir(pipeline)
-    workers = pipeline.training.workers
-    mechanism = mechanism_named(plan.mechanism).label
-    print(f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} examples, "
-          f"{workers} worker(s), q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, "
-          f"C={plan.clip_norm:g}\nrun directory: {run_dir}", flush=True)
-    try:
-        with driving(run_dir):
-            result = fit(pipeline, plan, run_dir, on_epoch=_print_epoch(pipeline.training.epochs),
-                         budget=budget, owner=run_dir.name, dataset=dataset,
-                         on_progress=_print_within_epoch(pipeline.training.epochs))
-    except RunInterrupted:
-        print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; the epoch that was running "
-              f"stays counted in full.\ncontinue with: {_resume_command(args, run_dir, pipeline)}",
-              flush=True)
+    pipeline = load_pipeline(args.pipeline, args.overrides)
+    result = api.run(pipeline, address=args.address, resume=args.resume, new=args.new,
+                     verbose=args.verbose, source=args.pipeline,
+                     rerun_choices=command_choices(_same_command(args)))
+    run_dir = result.run_dir
+    if result.status == "interrupted":
+        saved = ("the epoch that was running stays counted in full" if "Ctrl-C" in
+                 result.stop_reason else "every epoch charged was run and saved")
+        print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; {saved}.\ncontinue with: "
+              f"{_resume_command(args, run_dir, pipeline)}", flush=True)
         return EXIT_INTERRUPTED
-    except Exception as error:  # from the workers, under Ray's wrappers: one line (worker_errors)
-        explained = explain(error, run_dir)
-        if explained is error:
-            raise
-        raise explained from error
-    if result.stop_reason.startswith("interrupted"):
-        print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; every epoch charged was "
-              f"run and saved.\ncontinue with: {_resume_command(args, run_dir, pipeline)}", flush=True)
-        return EXIT_INTERRUPTED
-    if result.steps_charged == 0 and resumed is None:
-        # Nothing trained and nothing charged: an untrained model.pt would only mislead.
-        shutil.rmtree(run_dir, ignore_errors=True)
+    if result.status == "nothing trained":
         print(f"\nSTOPPED: {result.stop_reason}\nnothing was trained: no run directory kept")
         return EXIT_BUDGET_EXHAUSTED
-    privacy = privacy_statement(plan, result, workers)
-    record = write_run_record(run_dir, pipeline, result, privacy)
-    _print_summary(result, privacy, record)
-    if budget is not None:
-        from raydp_train.reports.budget import status_text
-
-        print(status_text(budget.status()))
+    print_summary(json.loads(result.record.read_text()), result.record)
+    if result.budget is not None:
+        print(status_text(result.budget))
     if result.stop_reason.startswith("target epsilon reached"):
         # The run did what it may: it stopped where one more epoch would pass its target.
         print(f"\nSTOPPED EARLY: {result.stop_reason}")
-    elif result.stop_reason != "completed":
+    elif result.status != "completed":
         print(f"\nSTOPPED: {result.stop_reason}\nthe last checkpoint is in {run_dir}")
         return EXIT_BUDGET_EXHAUSTED
     return 0
@@ -214,37 +169,11 @@ def _resume_command(args, run_dir: Path, pipeline) -> str:
     return f"{_same_command(args)} --resume {run_dir}{again}"
 
 
-def _open_budget(pipeline):
-    """The pipeline's global budget (created from this driver), or None; prints its state."""
-    from raydp_train.budget_actor import open_budget
-    from raydp_train.privacy.ledger import as_uri
-    from raydp_train.reports.budget import status_text
-
-    if pipeline.budget is None:
-        return None
-    budget = open_budget(pipeline.budget)
-    print(f"{status_text(budget.status()).splitlines()[0]}\nledger: "
-          f"{as_uri(pipeline.budget.ledger)}", flush=True)
-    return budget
-
-
 def tune_command(args) -> int:
-    from raydp_train.locations import check_locations, warn_if_not_shared
-    from raydp_train.resources import connect
-    from raydp_train.tune import run_sweep
+    from raydp_train import api
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
-    if pipeline.tune is None:
-        raise PipelineError(args.pipeline, [("tune: required by `raydp-train tune` (search_space, "
-                                            "num_samples, ...); see README")])
-    check_locations(pipeline, args.pipeline)
-    cpus = max(4, pipeline.training.workers + 2)  # as `run`: workers, queue, controller
-
-    def connect_and_warn() -> None:
-        connect(args.address, pipeline.training, cpus, args.verbose)
-        warn_if_not_shared(pipeline, args.address)
-
-    sweep = run_sweep(pipeline, connect=connect_and_warn)
+    sweep = api.tune(pipeline, address=args.address, verbose=args.verbose, source=args.pipeline)
     return 0 if sweep is not None and sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 
 
@@ -269,20 +198,6 @@ def audit_command(args) -> int:
     return 0 if result.consistent else EXIT_AUDIT_LEAK
 
 
-def _resumed_run_dir(run_dir: str, pipeline) -> Path:
-    """The run directory to resume, after checking it belongs to this very pipeline."""
-    from raydp_train.config.pipeline import dump_pipeline
-
-    saved = Path(run_dir) / "pipeline.yaml"
-    if not saved.is_file():
-        raise PipelineError(run_dir, ["--resume: not a run directory (no pipeline.yaml)"])
-    if saved.read_text() != dump_pipeline(pipeline):
-        raise PipelineError(
-            run_dir, [f"--resume: {saved} is a different pipeline; resume with the same one"]
-        )
-    return Path(run_dir)
-
-
 def report(args) -> int:
     from raydp_train.reports.run import metrics_table, noise_description, read_record, write_plots
 
@@ -299,77 +214,10 @@ def report(args) -> int:
           f"{privacy['steps']} steps, {privacy['workers']} worker(s)")
     print(f"noise: {noise_description(privacy)}")
     if record.get("baselines"):
-        print(f"to beat: {_baselines_text(record['baselines'])}")
+        print(f"to beat: {baselines_text(record['baselines'])}")
     for plot in write_plots(record, Path(args.run_dir)):
         print(f"wrote {plot}")
     return 0
-
-
-def _print_epoch(epochs: int):
-    def show(row: dict) -> None:
-        validation = (f"val acc {row['validation_accuracy']:.4f}  "
-                      if "validation_accuracy" in row else "")
-        print(f"epoch {row['epoch']:>3}/{epochs}  step {row['steps']:>6}  "
-              f"train loss {row['train_loss']:.4f}  {_test_text(row)}  "
-              f"{validation}epsilon {row['epsilon']:.3f}  ({row['elapsed_s']:.1f}s)", flush=True)
-    return show
-
-
-def _print_within_epoch(epochs: int):
-    def show(row: dict) -> None:
-        done, total = row["step"] - row["first_step"], row["last_step"] - row["first_step"]
-        left = row["epoch_elapsed_s"] / max(done, 1) * (total - done)
-        print(f"  epoch {row['epoch']:>3}/{epochs}  step {row['step']:>6}  {done}/{total} of the "
-              f"epoch's steps  ({row['epoch_elapsed_s']:.0f}s, about {left:.0f}s left)",
-              flush=True)
-    return show
-
-
-def _test_text(row: dict) -> str:
-    """A classifier's test accuracy, or a causal LM's held-out loss and perplexity."""
-    if "test_accuracy" in row:
-        return f"test acc {row['test_accuracy']:.4f}"
-    return f"test loss {row['test_loss']:.4f}  test ppl {row['test_perplexity']:.2f}"
-
-
-def _baselines_text(baselines: dict) -> str:
-    return (f"chance {baselines['chance']:.4f}, the test split's majority class "
-            f"{baselines['test_majority_class']:.4f}")
-
-
-def _print_summary(result, privacy: dict, record) -> None:
-    from raydp_train.reports.run import noise_description
-
-    delta = privacy["delta"]
-    if result.metrics:
-        last = result.metrics[-1]
-        if "test_accuracy" in last:
-            print(f"\ntest accuracy           {last['test_accuracy']:.4f}")
-            print(f"  to beat               {_baselines_text(result.baselines)}")
-        else:
-            print(f"\ntest loss per token     {last['test_loss']:.4f}  (perplexity "
-                  f"{last['test_perplexity']:.2f})")
-        if "validation_accuracy" in last:
-            print(f"validation accuracy     {last['validation_accuracy']:.4f}")
-    print(f"trained per step        {result.trained_per_step:,} of "
-          f"{result.model_parameters:,} parameters (= all-reduce size)")
-    print(f"privacy spent           epsilon {privacy['epsilon']:.4f} at delta {delta:g} "
-          f"({privacy['accountant'].upper()}, {privacy['steps']} steps)")
-    if privacy["steps_run_again"]:
-        print(f"  of those steps        {privacy['steps_run_again']} ran again after a restart "
-              "(released twice, with new noise: both count)")
-    print(f"  RDP accountant        epsilon {privacy['epsilon_rdp']:.4f}")
-    print(f"  PLD accountant        epsilon {privacy['epsilon_pld']:.4f}")
-    print(f"  rough estimate        epsilon {privacy['rough_epsilon_estimate']:.4f} "
-          "(q*sqrt(T ln(1/delta))/sigma; not a guarantee)")
-    if not privacy["private"]:
-        print(f"  NOT PRIVATE: privacy.mechanism {privacy.get('mechanism', 'none')} (a reference "
-              "run, no guarantee)")
-    else:
-        print(f"noise                   {noise_description(privacy)}")
-        if not privacy["for_release"]:
-            print("  noise was seeded (run.seed): reproducible, NOT for release")
-    print(f"run record              {record}")
 
 
 if __name__ == "__main__":

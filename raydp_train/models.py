@@ -35,6 +35,10 @@ def build_model(config, feature_shape: tuple[int, ...], num_classes: int,
             model = build_hf_model(config, num_classes, weights)
         check_positions(model, feature_shape[1])
         return model
+    if config.kind == "torch":
+        from raydp_train.custom_models import custom_model
+
+        return custom_model(config, feature_shape, num_classes)
     with torch.device("meta"):  # shapes only: nothing allocated
         parameters = sum(p.numel() for p in _small_model(config, feature_shape,
                                                          num_classes).parameters())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,15 +25,16 @@ RECORD = "record.json"  # written once a run has ended (completed or stopped): f
 DRIVER = "driver.json"  # the driver working on a run directory now
 
 
-def run_to_continue(pipeline: Pipeline, source: str, same_command: str) -> Path | None:
+def run_to_continue(pipeline: Pipeline, source: str,
+                    choices: Callable[[Path], str]) -> Path | None:
     """The newest unfinished run of this pipeline, if the pipeline says to continue it;
-    None if there is none. Refuses (PipelineError) where continuing is not allowed."""
+    None if there is none. Refuses (PipelineError) where continuing is not allowed, saying
+    `choices(that run)`: how to continue it or start another (command_choices)."""
     unfinished = unfinished_runs(pipeline)
     if not unfinished:
         return None
     newest = unfinished[-1]
-    choice = (f"continue it with: {same_command} --resume {newest}, or start another run on "
-              f"the same data (spending again) with: {same_command} --new")
+    choice = choices(newest)
     driver = _live_driver(newest)
     if driver:
         problem = (f"run: {newest} is a run of this pipeline that has not finished and whose "
@@ -44,6 +46,13 @@ def run_to_continue(pipeline: Pipeline, source: str, same_command: str) -> Path 
                    f"pipeline: {choice}")
         raise PipelineError(source, [problem])
     return newest
+
+
+def command_choices(same_command: str) -> Callable[[Path], str]:
+    """The two choices, for a user who typed `same_command`."""
+    return lambda newest: (f"continue it with: {same_command} --resume {newest}, or start "
+                           f"another run on the same data (spending again) with: "
+                           f"{same_command} --new")
 
 
 def unfinished_runs(pipeline: Pipeline) -> list[Path]:

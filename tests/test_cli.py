@@ -96,8 +96,8 @@ def test_a_model_that_never_took_a_step_is_not_for_release():
 def test_the_summary_says_which_noise_a_run_used(capsys):
     from types import SimpleNamespace
 
-    from raydp_train.cli import _print_summary
     from raydp_train.config.pipeline import load_pipeline
+    from raydp_train.console import print_summary
     from raydp_train.plan import make_plan
     from raydp_train.privacy.noise import NOISE_SOURCES
     from raydp_train.reports.run import privacy_statement
@@ -106,5 +106,7 @@ def test_the_summary_says_which_noise_a_run_used(capsys):
     result = SimpleNamespace(noise_mode="secure", steps_done=plan.steps,
                              steps_charged=plan.steps, releases_charged=0, stop_reason="completed",
                              metrics=[], trained_per_step=10, model_parameters=10)
-    _print_summary(result, privacy_statement(plan, result, workers=1), "record.json")
+    record = {"privacy": privacy_statement(plan, result, workers=1), "metrics": [],
+              "training": {"trained_numbers_per_step": 10, "model_parameters": 10}}
+    print_summary(record, "record.json")
     assert f"noise                   secure: {NOISE_SOURCES['secure']}" in capsys.readouterr().out

@@ -23,6 +23,8 @@ RUN_ELSEWHERE = {
     "tune": "`raydp-train tune`: tests/test_budget_ray.py, tests/test_faults.py",
     "model.task": "causal_lm: tests/test_causal_lm_run.py (a run on 2 workers, generate)",
     "model.lm_loss": "causal_lm only: tests/test_causal_lm_run.py",
+    "model.factory": "model.kind torch: tests/test_custom_model.py (a run on 2 workers)",
+    "model.kwargs": "model.kind torch: tests/test_custom_model.py",
 }
 
 

@@ -7,8 +7,8 @@ import threading
 
 from ray.util.queue import Empty
 
-from raydp_train.cli import _print_within_epoch
 from raydp_train.config.pipeline import pipeline_from_dict
+from raydp_train.console import progress_printer
 from raydp_train.plan import make_plan
 from raydp_train.train import trainer, worker
 from raydp_train.train.context import LocalContext
@@ -61,7 +61,7 @@ def test_the_driver_prints_progress_apart_from_epoch_rows(capsys):
     assert epochs == [{"epoch": 1, "steps": 200}] and len(progress) == 1
     trainer._print_progress(Rows(rows), epochs.append, None, stop)  # no printer: dropped
     assert len(epochs) == 2
-    _print_within_epoch(3)(progress[0])
+    progress_printer(3)(progress[0])
     line = capsys.readouterr().out
     assert "epoch   1/3" in line and "50/200 of the epoch's steps" in line
     assert "(30s, about 90s left)" in line

@@ -105,7 +105,7 @@ MALFORMED = {
         ["data={n_samples: 100}"],
         "data.source: required; one of 'synthetic', 'sklearn_digits', 'parquet'"),
     "bad model kind": (
-        ["model.kind=rnn"], "model.kind: must be one of 'logistic', 'mlp', 'cnn', 'hf', got 'rnn'"),
+        ["model.kind=rnn"], "model.kind: must be one of 'logistic', 'mlp', 'cnn', 'torch', 'hf', got 'rnn'"),
     "bad optimizer": (
         ["training.optimizer=lbfgs"],
         "training.optimizer: must be one of 'sgd', 'adam', 'adamw', got 'lbfgs'"),

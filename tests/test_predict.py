@@ -11,7 +11,7 @@ from test_bad_inputs import MINILM, TINY_BERT
 from test_documented_inputs import churn, digit_tensors, sentences
 
 from raydp_train.cli import main
-from raydp_train.predict import PredictError, load_model, predict
+from raydp_train.predictions import PredictError, load_model, predict
 
 
 def _run(tmp_path: Path, name: str, data: dict, model: dict, train, test) -> tuple[Path, Path]:

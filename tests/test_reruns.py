@@ -14,10 +14,18 @@ import pytest
 from raydp_train.cli import main
 from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.reports.run import new_run_dir
-from raydp_train.reruns import DRIVER, RECORD, driving, run_to_continue, unfinished_runs
+from raydp_train.reruns import (
+    DRIVER,
+    RECORD,
+    command_choices,
+    driving,
+    run_to_continue,
+    unfinished_runs,
+)
 
 QUICKSTART = "pipelines/quickstart.yaml"
 COMMAND = "raydp-train run pipelines/quickstart.yaml"
+CHOICES = command_choices(COMMAND)
 
 
 @pytest.fixture
@@ -30,11 +38,11 @@ def test_only_unfinished_runs_of_this_very_pipeline_count(pipeline, tmp_path):
     (finished / RECORD).write_text("{}")
     other = new_run_dir(load_pipeline(QUICKSTART, [f"run.output_dir={tmp_path}/runs",
                                                    "training.epochs=3"]))
-    assert unfinished_runs(pipeline) == [] and run_to_continue(pipeline, QUICKSTART, COMMAND) is None
+    assert unfinished_runs(pipeline) == [] and run_to_continue(pipeline, QUICKSTART, CHOICES) is None
     older, newer = new_run_dir(pipeline), new_run_dir(pipeline)
     os.utime(older / "pipeline.yaml", (1, 1))
     assert unfinished_runs(pipeline) == [older, newer]
-    assert run_to_continue(pipeline, QUICKSTART, COMMAND) == newer
+    assert run_to_continue(pipeline, QUICKSTART, CHOICES) == newer
     assert other not in unfinished_runs(pipeline)
 
 
@@ -43,7 +51,7 @@ def test_refuse_names_both_choices(tmp_path):
                                           "run.on_interrupted=refuse"])
     run_dir = new_run_dir(pipeline)
     with pytest.raises(PipelineError) as refused:
-        run_to_continue(pipeline, QUICKSTART, COMMAND)
+        run_to_continue(pipeline, QUICKSTART, CHOICES)
     message = str(refused.value)
     assert f"{COMMAND} --resume {run_dir}" in message and f"{COMMAND} --new" in message
     assert len(message.splitlines()) == 1
@@ -56,14 +64,14 @@ def test_a_run_whose_driver_still_runs_is_never_taken_over(pipeline):
         (run_dir / DRIVER).write_text(json.dumps({"host": socket.gethostname(),
                                                   "pid": driver.pid}))
         with pytest.raises(PipelineError, match=f"pid {driver.pid} .* may still be running"):
-            run_to_continue(pipeline, QUICKSTART, COMMAND)
+            run_to_continue(pipeline, QUICKSTART, CHOICES)
     finally:
         driver.kill()
         driver.wait()
-    assert run_to_continue(pipeline, QUICKSTART, COMMAND) == run_dir  # killed: continue it
+    assert run_to_continue(pipeline, QUICKSTART, CHOICES) == run_dir  # killed: continue it
     (run_dir / DRIVER).write_text(json.dumps({"host": "another-host", "pid": 1}))
     with pytest.raises(PipelineError, match="another-host"):  # cannot tell: never taken over
-        run_to_continue(pipeline, QUICKSTART, COMMAND)
+        run_to_continue(pipeline, QUICKSTART, CHOICES)
 
 
 def test_the_driver_marker_goes_however_the_run_ends(pipeline):

@@ -60,7 +60,7 @@ def test_the_cli_prints_a_bug_in_one_line_and_exits_1(monkeypatch, tmp_path, cap
 def test_a_failed_trial_shows_the_users_error_in_the_sweep_table():
     from types import SimpleNamespace
 
-    from raydp_train.tune import _trial_row
+    from raydp_train.sweeps import _trial_row
 
     cause = DataError("data: column 'churn' in train.parquet is string, expected numbers")
     failed = SimpleNamespace(metrics={}, config={"training.lr": 0.1},

@@ -136,6 +136,18 @@ class CnnModel(Section):
         return value
 
 
+class TorchModel(Section):
+    """A model from the user's own code: `factory` names a function returning an nn.Module,
+    as "file.py:function" (beside the pipeline, or absolute) or "package.module:function"
+    (installed, or on the path of every worker); it gets `kwargs`, and `feature_shape` and
+    `num_classes` if it takes them."""
+
+    kind: Literal["torch"]
+    factory: str = Field(pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$", max_length=4096)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    num_classes: NumClasses = None
+
+
 class LastLayers(Section):
     last_k_layers: int = Field(ge=1)  # the classifier head plus the last k transformer blocks
 
@@ -201,5 +213,5 @@ class HFModel(Section):
 
 
 ModelConfig = Annotated[
-    LogisticModel | MlpModel | CnnModel | HFModel, Field(discriminator="kind")
+    LogisticModel | MlpModel | CnnModel | TorchModel | HFModel, Field(discriminator="kind")
 ]

@@ -174,6 +174,15 @@ class Pipeline(Section):
     budget: BudgetConfig | None = None
     tune: TuneConfig | None = None
 
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Sequence[str] = ()) -> Pipeline:
+        """A pipeline YAML file, with `--set`-style overrides ("training.epochs=5")."""
+        return load_pipeline(path, overrides)
+
+    @classmethod
+    def from_dict(cls, raw: dict, overrides: Sequence[str] = ()) -> Pipeline:
+        return pipeline_from_dict(raw, overrides)
+
     @model_validator(mode="after")
     def _tune_fits(self) -> Pipeline:
         if self.privacy.mechanism == "none" and self.budget is not None:

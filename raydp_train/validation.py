@@ -48,7 +48,7 @@ def print_validation(pipeline: Pipeline, dataset, plan: PrivacyPlan,
 
 def _sweep_spend(pipeline: Pipeline, plan: PrivacyPlan) -> Spend:
     """Print and return what the whole search spends at most (ARCHITECTURE.md §2.7)."""
-    from raydp_train.tune import (
+    from raydp_train.sweeps import (
         check_search_space,
         random_stopping_spend,
         trial_count,
@@ -100,7 +100,7 @@ def _payable(book: BudgetBook, what: str, spend: Spend) -> bool:
 def _sweep_payable(book: BudgetBook, pipeline: Pipeline, plan: PrivacyPlan, sweep: Spend) -> bool:
     """A random-stopping sweep is paid in full or not at all; trials of a composition sweep
     are paid one by one, and those the budget cannot pay stop "budget exhausted"."""
-    from raydp_train.tune import trial_count, trials_spend
+    from raydp_train.sweeps import trial_count, trials_spend
 
     if pipeline.tune.selection == "random_stopping" or _propose(book, sweep).granted:
         return _payable(book, "the sweep", sweep)

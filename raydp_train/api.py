@@ -1,0 +1,202 @@
+"""The Python API (issue 29): what `raydp-train validate | run | tune` do, as functions that
+return results; the CLI parses its arguments, calls these and prints.
+
+    import raydp_train as rt
+
+    pipeline = rt.Pipeline.from_yaml("pipelines/quickstart.yaml", overrides=["training.epochs=5"])
+    plan = rt.validate(pipeline)     # every check, and what it will spend; starts no Ray
+    result = rt.run(pipeline)        # an embedded Ray, or address="host:6379"
+    print(result.epsilon, result.run_dir)
+
+Bad input raises the typed `UserError`s that the CLI prints as one line, before any budget is
+reserved. `run` prints what the CLI prints (the epoch rows, progress within long epochs)
+unless given other `on_line` / `on_epoch` / `on_progress` callbacks (None: silent).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from raydp_train.config.pipeline import Pipeline, PipelineError, dump_pipeline
+from raydp_train.console import epoch_printer, progress_printer
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _silent(*_) -> None:
+    pass
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    # completed; stopped (the budget, or the target epsilon, ended it early); interrupted
+    # (Ctrl-C: continue with run(..., resume=run_dir)); nothing trained (no directory kept)
+    status: str
+    stop_reason: str
+    metrics: list[dict] = field(default_factory=list)  # one row per epoch
+    privacy: dict = field(default_factory=dict)  # privacy.json: epsilon by both accountants, ...
+    record: Path | None = None  # record.json, once the run ended
+    budget: dict | None = None  # the global budget's status after the run
+
+    @property
+    def epsilon(self) -> float | None:
+        return self.privacy.get("epsilon")
+
+    @property
+    def model(self) -> Path | None:
+        """The released model's state dict (load it with raydp_train.predictions.load_model)."""
+        path = self.run_dir / "model.pt"
+        return path if self.record is not None and path.is_file() else None
+
+
+def validate(pipeline: Pipeline, *, check_model: bool = False, address: str | None = None,
+             source: str = "<pipeline>"):
+    """Every check `run` makes before it spends, without Ray or a model's weights; the
+    PrivacyPlan (q, steps, sigma, epsilon()). `address`: warn about paths a cluster's nodes
+    would not share."""
+    return checked(pipeline, check_model=check_model, address=address, source=source)[1]
+
+
+def checked(pipeline: Pipeline, *, check_model: bool = False, address: str | None = None,
+            source: str = "<pipeline>"):
+    """validate's checks; (the Dataset as read, the PrivacyPlan)."""
+    from raydp_train.locations import check_locations, warn_if_not_shared
+    from raydp_train.preflight import check_pipeline
+
+    check_locations(pipeline, source)
+    warn_if_not_shared(pipeline, address)
+    return check_pipeline(pipeline, for_training=False, build_model=check_model)
+
+
+def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | None = None,
+        new: bool = False, verbose: bool = False, source: str = "<pipeline>",
+        on_line: Callable[[str], None] | None = _say, on_epoch: Callable | None = ...,
+        on_progress: Callable | None = ..., rerun_choices: Callable[[Path], str] | None = None
+        ) -> RunResult:
+    """Train the pipeline on Ray Train (joining `address`, else an embedded Ray) and write its
+    run directory. An unfinished run of the same pipeline is continued (run.on_interrupted),
+    unless `new`; `resume` names the one to continue."""
+    from raydp_train.reports.run import new_run_dir, privacy_statement, write_run_record
+    from raydp_train.reruns import driving, run_to_continue
+    from raydp_train.train.trainer import RunInterrupted, fit
+    from raydp_train.worker_errors import explain
+
+    on_line = on_line or _silent
+    epochs = pipeline.training.epochs
+    on_epoch = epoch_printer(epochs) if on_epoch is ... else on_epoch or _silent
+    on_progress = progress_printer(epochs) if on_progress is ... else on_progress or _silent
+    dataset, plan = _prepare_run(pipeline, address, verbose, source)
+    resumed = resumed_run_dir(resume, pipeline) if resume else None
+    if resumed is None and not new:
+        resumed = run_to_continue(pipeline, source, rerun_choices or _python_choices)
+        if resumed is not None:
+            on_line(f"continuing the unfinished run {resumed} of this pipeline from its last "
+                    "checkpoint (run.on_interrupted: resume; --new, or new=True, starts another)")
+    budget = _open_budget(pipeline, on_line)  # refused before a run directory is made
+    run_dir = resumed or new_run_dir(pipeline)
+    on_line(_header(pipeline, plan, run_dir))
+    try:
+        with driving(run_dir):
+            result = fit(pipeline, plan, run_dir, on_epoch=on_epoch, budget=budget,
+                         owner=run_dir.name, dataset=dataset, on_progress=on_progress)
+    except RunInterrupted:
+        return RunResult(run_dir, "interrupted", "interrupted: a second Ctrl-C")
+    except Exception as error:  # from the workers, under Ray's wrappers: one line (worker_errors)
+        explained = explain(error, run_dir)
+        if explained is error:
+            raise
+        raise explained from error
+    if result.stop_reason.startswith("interrupted"):
+        return RunResult(run_dir, "interrupted", result.stop_reason, result.metrics)
+    if result.steps_charged == 0 and resumed is None:
+        # Nothing trained and nothing charged: an untrained model.pt would only mislead.
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return RunResult(run_dir, "nothing trained", result.stop_reason)
+    privacy = privacy_statement(plan, result, pipeline.training.workers)
+    record = write_run_record(run_dir, pipeline, result, privacy)
+    status = "completed" if result.stop_reason == "completed" else "stopped"
+    return RunResult(run_dir, status, result.stop_reason, result.metrics, privacy, record,
+                     None if budget is None else budget.status())
+
+
+def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = False,
+         source: str = "<pipeline>", on_line: Callable[[str], None] | None = _say):
+    """Run the pipeline's `tune:` sweep, every trial spending from its one budget; the
+    SweepResult (trials, best trial, its model), or None when the budget cannot pay a trial."""
+    from raydp_train.locations import check_locations, warn_if_not_shared
+    from raydp_train.resources import connect
+    from raydp_train.sweeps import run_sweep
+
+    if pipeline.tune is None:
+        raise PipelineError(source, [("tune: required by `raydp-train tune` (search_space, "
+                                     "num_samples, ...); see README")])
+    check_locations(pipeline, source)
+
+    def connect_and_warn() -> None:
+        connect(address, pipeline.training, _cpus(pipeline), verbose)
+        warn_if_not_shared(pipeline, address)
+
+    return run_sweep(pipeline, connect=connect_and_warn,
+                     on_line=on_line or _silent)
+
+
+def _cpus(pipeline: Pipeline) -> int:
+    return max(4, pipeline.training.workers + 2)  # workers, the progress queue, the controller
+
+
+def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source: str):
+    """Every check before anything is spent (preflight); Ray first: text is tokenized by Ray
+    Data."""
+    from raydp_train.locations import check_locations, warn_if_not_shared
+    from raydp_train.preflight import check_pipeline
+    from raydp_train.resources import connect
+
+    check_locations(pipeline, source)
+    connect(address, pipeline.training, _cpus(pipeline), verbose)
+    warn_if_not_shared(pipeline, address)
+    return check_pipeline(pipeline, for_training=True)
+
+
+def resumed_run_dir(run_dir: str | Path, pipeline: Pipeline) -> Path:
+    """The run directory to resume, after checking it belongs to this very pipeline."""
+    saved = Path(run_dir) / "pipeline.yaml"
+    if not saved.is_file():
+        raise PipelineError(str(run_dir), ["--resume: not a run directory (no pipeline.yaml)"])
+    if saved.read_text() != dump_pipeline(pipeline):
+        raise PipelineError(
+            str(run_dir), [f"--resume: {saved} is a different pipeline; resume with the same one"])
+    return Path(run_dir)
+
+
+def _python_choices(newest: Path) -> str:
+    return (f"continue it with run(pipeline, resume='{newest}'), or start another run on the "
+            "same data (spending again) with run(pipeline, new=True)")
+
+
+def _open_budget(pipeline: Pipeline, on_line):
+    """The pipeline's global budget (created from this driver), or None; says its state."""
+    from raydp_train.budget_actor import open_budget
+    from raydp_train.privacy.ledger import as_uri
+    from raydp_train.reports.budget import status_text
+
+    if pipeline.budget is None:
+        return None
+    budget = open_budget(pipeline.budget)
+    on_line(f"{status_text(budget.status()).splitlines()[0]}\nledger: "
+            f"{as_uri(pipeline.budget.ledger)}")
+    return budget
+
+
+def _header(pipeline: Pipeline, plan, run_dir: Path) -> str:
+    from raydp_train.privacy.mechanism import mechanism_named
+
+    mechanism = mechanism_named(plan.mechanism).label
+    return (f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} "
+            f"examples, {pipeline.training.workers} worker(s), q={plan.sampling_rate:.4g}, "
+            f"sigma={plan.noise_multiplier:.4g}, C={plan.clip_norm:g}\nrun directory: {run_dir}")

@@ -1,0 +1,74 @@
+"""What a run prints: its epoch rows, progress within a long epoch, and the summary. Used by
+the CLI and by the Python API's defaults."""
+
+from __future__ import annotations
+
+
+def epoch_printer(epochs: int):
+    def show(row: dict) -> None:
+        validation = (f"val acc {row['validation_accuracy']:.4f}  "
+                      if "validation_accuracy" in row else "")
+        print(f"epoch {row['epoch']:>3}/{epochs}  step {row['steps']:>6}  "
+              f"train loss {row['train_loss']:.4f}  {held_out_text(row)}  "
+              f"{validation}epsilon {row['epsilon']:.3f}  ({row['elapsed_s']:.1f}s)", flush=True)
+    return show
+
+
+def progress_printer(epochs: int):
+    def show(row: dict) -> None:
+        done, total = row["step"] - row["first_step"], row["last_step"] - row["first_step"]
+        left = row["epoch_elapsed_s"] / max(done, 1) * (total - done)
+        print(f"  epoch {row['epoch']:>3}/{epochs}  step {row['step']:>6}  {done}/{total} of the "
+              f"epoch's steps  ({row['epoch_elapsed_s']:.0f}s, about {left:.0f}s left)",
+              flush=True)
+    return show
+
+
+def held_out_text(row: dict) -> str:
+    """A classifier's test accuracy, or a causal LM's held-out loss and perplexity."""
+    if "test_accuracy" in row:
+        return f"test acc {row['test_accuracy']:.4f}"
+    return f"test loss {row['test_loss']:.4f}  test ppl {row['test_perplexity']:.2f}"
+
+
+def baselines_text(baselines: dict) -> str:
+    return (f"chance {baselines['chance']:.4f}, the test split's majority class "
+            f"{baselines['test_majority_class']:.4f}")
+
+
+def print_summary(record: dict, path) -> None:
+    """The end of a run: its last metrics and what it spent, from its record.json (`path`)."""
+    from raydp_train.reports.run import noise_description
+
+    privacy = record["privacy"]
+    delta = privacy["delta"]
+    if record["metrics"]:
+        last = record["metrics"][-1]
+        if "test_accuracy" in last:
+            print(f"\ntest accuracy           {last['test_accuracy']:.4f}")
+            print(f"  to beat               {baselines_text(record['baselines'])}")
+        else:
+            print(f"\ntest loss per token     {last['test_loss']:.4f}  (perplexity "
+                  f"{last['test_perplexity']:.2f})")
+        if "validation_accuracy" in last:
+            print(f"validation accuracy     {last['validation_accuracy']:.4f}")
+    training = record["training"]
+    print(f"trained per step        {training['trained_numbers_per_step']:,} of "
+          f"{training['model_parameters']:,} parameters (= all-reduce size)")
+    print(f"privacy spent           epsilon {privacy['epsilon']:.4f} at delta {delta:g} "
+          f"({privacy['accountant'].upper()}, {privacy['steps']} steps)")
+    if privacy["steps_run_again"]:
+        print(f"  of those steps        {privacy['steps_run_again']} ran again after a restart "
+              "(released twice, with new noise: both count)")
+    print(f"  RDP accountant        epsilon {privacy['epsilon_rdp']:.4f}")
+    print(f"  PLD accountant        epsilon {privacy['epsilon_pld']:.4f}")
+    print(f"  rough estimate        epsilon {privacy['rough_epsilon_estimate']:.4f} "
+          "(q*sqrt(T ln(1/delta))/sigma; not a guarantee)")
+    if not privacy["private"]:
+        print(f"  NOT PRIVATE: privacy.mechanism {privacy.get('mechanism', 'none')} (a reference "
+              "run, no guarantee)")
+    else:
+        print(f"noise                   {noise_description(privacy)}")
+        if not privacy["for_release"]:
+            print("  noise was seeded (run.seed): reproducible, NOT for release")
+    print(f"run record              {path}")

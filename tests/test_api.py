@@ -1,0 +1,84 @@
+"""The Python API (issue 29): the README's Python block runs as written, its run spends what
+dp-accounting says, `raydp-train run` goes through the same function, and `import
+raydp_train` imports neither torch nor Ray."""
+
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dp_accounting
+import pytest
+
+import raydp_train as rt
+from raydp_train.cli import main
+
+ROOT = Path(__file__).parents[1]
+MARKER = "<!-- python api: tests/test_api.py runs this block -->"
+
+
+def _readme_block() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split(MARKER, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _quickstart_epsilon(epochs: int) -> float:
+    """quickstart: 800 training rows (80% of 1,000), batch 64 (q 0.08: 12.5 steps an epoch,
+    floor(epochs / q) in all), sigma 2, delta 1e-5."""
+    steps = epochs * 800 // 64
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        64 / 800, dp_accounting.GaussianDpEvent(2.0)), steps)
+    return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+
+
+def test_the_readme_python_block_runs_as_written(ray_session, tmp_path, monkeypatch):
+    shutil.copytree(ROOT / "pipelines", tmp_path / "pipelines")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(_readme_block(), "README.md", "exec"), namespace)  # noqa: S102 (ours)
+    result = namespace["result"]
+    assert isinstance(result, rt.RunResult) and result.status == "completed"
+    assert result.epsilon == pytest.approx(_quickstart_epsilon(3), rel=1e-9)
+    assert result.epsilon == pytest.approx(namespace["plan"].epsilon(), rel=1e-12)
+    assert json.loads(result.record.read_text())["privacy"] == result.privacy
+    assert len(result.metrics) == 3 and result.model == result.run_dir / "model.pt"
+    assert not namespace["model"].training
+    output = printed.getvalue()
+    assert "refused: " in output and "missing.parquet" in output  # the typed error, one line
+    assert f"run directory: {result.run_dir}" in output  # on_line's default prints
+    assert "epoch   1/3" not in output  # on_epoch=None: no epoch rows
+    assert [d.name for d in Path("runs").iterdir()] == [result.run_dir.name]  # no dir for x
+
+
+def test_the_cli_spends_what_the_api_does(ray_session, tmp_path, capsys):
+    options = ["--set", "training.epochs=3", "--set", f"run.output_dir={tmp_path}"]
+    assert main(["run", str(ROOT / "pipelines/quickstart.yaml"), *options]) == 0
+    (run_dir,) = tmp_path.iterdir()
+    epsilon = json.loads((run_dir / "privacy.json").read_text())["epsilon"]
+    assert epsilon == pytest.approx(_quickstart_epsilon(3), rel=1e-9)
+    assert f"privacy spent           epsilon {epsilon:.4f}" in capsys.readouterr().out
+
+
+def test_the_api_names_stay_functions_once_every_module_is_loaded():
+    """A submodule named like an API function would replace it on the package when imported."""
+    import raydp_train.cli
+    import raydp_train.predictions
+    import raydp_train.sweeps
+    import raydp_train.validation  # noqa: F401
+
+    for name in ("validate", "run", "tune", "load_model", "predict"):
+        assert callable(getattr(rt, name)) and not isinstance(getattr(rt, name), type(rt)), name
+    assert rt.Pipeline.from_yaml(ROOT / "pipelines/quickstart.yaml").name == "quickstart"
+
+
+def test_importing_the_package_imports_neither_torch_nor_ray():
+    code = ("import sys, raydp_train; heavy = [m for m in ('torch', 'ray', 'transformers', "
+            "'pydantic') if m in sys.modules]; print(heavy)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120)
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,103 @@
+"""`model.kind: torch` (issue 29): a model from the user's own code. The shipped example's
+clipped sum equals one backward pass per example (float64, < 1e-9); a factory that cannot be
+imported, called or used is refused by name before anything is spent; the example trains on 2
+Ray Train workers and spends what dp-accounting says."""
+
+import json
+from pathlib import Path
+
+import dp_accounting
+import pytest
+import torch
+import torch.nn.functional as F
+from oracles import engine_sum_in_parameter_order, naive_clipped_sum
+
+import raydp_train as rt
+from raydp_train.cli import main
+from raydp_train.models import build_model
+from raydp_train.privacy.clipping import PerExampleClipper
+
+ROOT = Path(__file__).parents[1]
+EXAMPLE = ROOT / "pipelines" / "digits_custom_model.yaml"
+
+
+def example_losses(model, inputs, labels):
+    return F.cross_entropy(model(inputs), labels, reduction="none")
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("clip_norm", [1e-3, 1e3])  # every example clipped; none
+def test_the_example_models_clipped_sum_is_the_per_example_loops(clip_norm):
+    torch.manual_seed(0)
+    pipeline = rt.Pipeline.from_yaml(EXAMPLE)
+    model = build_model(pipeline.model, (1, 8, 8), 10)
+    assert isinstance(model[1], torch.nn.GroupNorm)  # the file's model, kwargs applied
+    inputs, labels = torch.randn(7, 1, 8, 8), torch.arange(7) % 10
+    expected, norms, _ = naive_clipped_sum(model, example_losses, inputs, labels, clip_norm)
+    clipper = PerExampleClipper(model, clip_norm)
+    stats = clipper.accumulate(example_losses, model, inputs, labels)
+    got = engine_sum_in_parameter_order(model, clipper)
+    clipper.close()
+    assert torch.max(torch.abs(got - expected)) / torch.max(torch.abs(expected)) < 1e-9
+    torch.testing.assert_close(stats.norms, norms, rtol=1e-9, atol=0)
+
+
+BAD_FACTORIES = {
+    "no file": ("models/missing.py:small_cnn", "file not found"),
+    "no function": ("models/digits_cnn.py:big_cnn", "has no function 'big_cnn'"),
+    "no module": ("no_such_package.models:build", "cannot import 'no_such_package.models'"),
+    "not a module": ("models/user_models.py:not_a_module", "returned dict, not a torch"),
+    "wrong classes": ("models/user_models.py:three_classes", "to [B, 10] logits"),
+    "raises": ("models/user_models.py:broken", "raised RuntimeError: my bug"),
+    "batchnorm": ("models/user_models.py:with_batchnorm", "BatchNorm2d"),
+}
+USER_MODELS = """\
+import torch
+from torch import nn
+
+def not_a_module():
+    return {}
+
+def three_classes():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
+
+def broken():
+    raise RuntimeError("my bug")
+
+def with_batchnorm():
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(72, 10))
+"""
+
+
+@pytest.mark.parametrize("case", list(BAD_FACTORIES))
+def test_a_factory_that_cannot_be_used_is_refused_by_name(case, tmp_path, capsys):
+    factory, message = BAD_FACTORIES[case]
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "user_models.py").write_text(USER_MODELS)
+    (tmp_path / "models" / "digits_cnn.py").write_text(
+        (ROOT / "pipelines/models/digits_cnn.py").read_text())
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(EXAMPLE.read_text().replace("models/digits_cnn.py:small_cnn", factory)
+                        .replace("kwargs: {channels: 8, groups: 2}", "kwargs: {}"))
+    assert main(["validate", str(pipeline), "--check-model"]) == 2
+    error = capsys.readouterr().err
+    assert message in error and "Traceback" not in error
+    assert len(error.strip().splitlines()) == 1
+
+
+def test_the_example_trains_on_two_workers_and_spends_what_dp_accounting_says(ray_session,
+                                                                               tmp_path):
+    pipeline = rt.Pipeline.from_yaml(EXAMPLE, overrides=[
+        "training.epochs=2", f"run.output_dir={tmp_path}"])
+    result = rt.run(pipeline, on_line=None, on_epoch=None, on_progress=None)
+    assert result.status == "completed"
+    record = json.loads(result.record.read_text())
+    assert len(record["training"]["training_rows_per_worker"]) == 2  # both workers trained
+    privacy = result.privacy
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        128 / 1438, dp_accounting.GaussianDpEvent(privacy["noise_multiplier"])),
+        int(2 * 1438 / 128))
+    expected = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+    assert privacy["steps"] == int(2 * 1438 / 128) and privacy["workers"] == 2
+    assert result.epsilon == pytest.approx(expected, rel=1e-9) and result.epsilon <= 3.0
+    assert rt.load_model(result.run_dir)(torch.zeros(1, 1, 8, 8)).shape == (1, 10)
