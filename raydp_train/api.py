@@ -23,6 +23,9 @@ from pathlib import Path
 from raydp_train.config.pipeline import Pipeline, PipelineError, dump_pipeline
 from raydp_train.console import epoch_printer, progress_printer
 
+# The stop reason of a run a second Ctrl-C ended at once, inside an epoch.
+ABORTED = "interrupted at once by a second Ctrl-C: the epoch that was running stays counted"
+
 
 def _say(line: str) -> None:
     print(line, flush=True)
@@ -106,7 +109,7 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
             result = fit(pipeline, plan, run_dir, on_epoch=on_epoch, budget=budget,
                          owner=run_dir.name, dataset=dataset, on_progress=on_progress)
     except RunInterrupted:
-        return RunResult(run_dir, "interrupted", "interrupted: a second Ctrl-C")
+        return RunResult(run_dir, "interrupted", ABORTED)
     except Exception as error:  # from the workers, under Ray's wrappers: one line (worker_errors)
         explained = explain(error, run_dir)
         if explained is error:

@@ -137,8 +137,8 @@ def run(args) -> int:
                      rerun_choices=command_choices(_same_command(args)))
     run_dir = result.run_dir
     if result.status == "interrupted":
-        saved = ("the epoch that was running stays counted in full" if "Ctrl-C" in
-                 result.stop_reason else "every epoch charged was run and saved")
+        saved = ("the epoch that was running stays counted in full"
+                 if result.stop_reason == api.ABORTED else "every epoch charged was run and saved")
         print(f"\nINTERRUPTED: the last checkpoint is in {run_dir}; {saved}.\ncontinue with: "
               f"{_resume_command(args, run_dir, pipeline)}", flush=True)
         return EXIT_INTERRUPTED

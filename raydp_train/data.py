@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raydp_train.data_columns import DataError, numeric_rows, one_line, text_labels
+from raydp_train.table_files import as_parquet
 
 
 @dataclass
@@ -94,6 +95,7 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
     without Ray: the token tensors are then zeros of the right shape, for checks, not training.
     """
     loaders = {"synthetic": _synthetic, "sklearn_digits": _digits, "parquet": _parquet}
+    config = as_parquet(config)  # csv / json: their Parquet copies (table_files.py)
     reader = _Reader(config, tokenizer, tokenize)
     features, labels, test_features, test_labels = loaders[config.source](config, reader)
     validation = _validation_file(config, reader)
@@ -207,7 +209,8 @@ def _validation_file(config, reader: _Reader):
     if validation is None or validation.path is None:
         return None
     if config.source != "parquet":
-        raise DataError("data.validation.path: only for source parquet; use fraction")
+        raise DataError("data.validation.path: only for file sources (parquet, csv, json); "
+                        "use fraction")
     return reader.read(Path(validation.path), "data.validation.path")
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from importlib import metadata
 from pathlib import Path
 
+from raydp_train.cache import cache_folder
 from raydp_train.config.pipeline import Pipeline
 from raydp_train.hf_files import local_folder
 
@@ -45,9 +45,7 @@ def remember_pass(pipeline: Pipeline) -> None:
 
 
 def _folder() -> Path:
-    cache = os.environ.get("RAYDP_TRAIN_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raydp_train"
-    return Path(cache) / "passed_checks"
+    return cache_folder("passed_checks")
 
 
 def _key(pipeline: Pipeline) -> str | None:

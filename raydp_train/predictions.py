@@ -137,17 +137,22 @@ def _read(pipeline, data: Path):
     from raydp_train.config.pipeline import pipeline_from_dict
     from raydp_train.data import load_data
     from raydp_train.hf_files import tokenizer_source
+    from raydp_train.table_files import CONVERTED, parquet_copy
 
-    if pipeline.data.source != "parquet":
-        raise PredictError(f"predict reads Parquet files laid out as the run's data; this run "
-                           f"trained on data.source {pipeline.data.source}")
+    kind = pipeline.data.source
+    if kind not in ("parquet", *CONVERTED):
+        raise PredictError(f"predict reads files laid out as the run's data; this run "
+                           f"trained on data.source {kind}")
     if not data.is_file():
         raise PredictError(f"--data: {data.resolve()} is not a file")
+    if kind in CONVERTED:  # a file of the run's own format, read as the run read its files
+        data = parquet_copy(data, kind, "--data")
     labelled = _has_labels(pipeline, data)
     with tempfile.TemporaryDirectory() as scratch:
         source = data if labelled else _unlabeled_copy(pipeline, data, Path(scratch))
         raw = pipeline.model_dump(mode="json")
-        raw["data"].update(path=str(source), test_path=str(source), validation=None)
+        raw["data"].update(source="parquet", path=str(source), test_path=str(source),
+                           validation=None)
         raw["tune"] = None  # a sweep's metric needs the validation split dropped here
         reading = pipeline_from_dict(raw, source=str(data))
         return load_data(reading.data, reading.model.num_classes,

@@ -99,11 +99,11 @@ MALFORMED = {
     "bad accountant": (
         ["privacy.accountant=xyz"], "privacy.accountant: must be one of 'rdp', 'pld', got 'xyz'"),
     "bad data source": (
-        ["data.source=csv"],
-        "data.source: must be one of 'synthetic', 'sklearn_digits', 'parquet', got 'csv'"),
+        ["data.source=xlsx"],
+        "data.source: must be one of 'synthetic', 'sklearn_digits', 'parquet', 'csv', 'json', got 'xlsx'"),
     "missing data source": (
         ["data={n_samples: 100}"],
-        "data.source: required; one of 'synthetic', 'sklearn_digits', 'parquet'"),
+        "data.source: required; one of 'synthetic', 'sklearn_digits', 'parquet', 'csv', 'json'"),
     "bad model kind": (
         ["model.kind=rnn"], "model.kind: must be one of 'logistic', 'mlp', 'cnn', 'torch', 'hf', got 'rnn'"),
     "bad optimizer": (

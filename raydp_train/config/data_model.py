@@ -21,7 +21,7 @@ class ValidationSplit(Section):
     """Rows held out of the training set to select hyperparameters on (ARCHITECTURE.md §2.5)."""
 
     fraction: float | None = Field(None, gt=0, lt=1)  # of the training rows, not trained on
-    path: str | None = Field(None, min_length=1)  # OR a file of its own (source parquet)
+    path: str | None = Field(None, min_length=1)  # OR a file of its own (a file source)
     private: bool = True  # false only if these rows may be published as they are
     # Gaussian noise (std, in examples) on the released count of correct predictions; each
     # release is charged to the privacy account. Required to select on private rows.
@@ -61,7 +61,10 @@ class DigitsData(Section):
 
 
 class ParquetData(Section):
-    source: Literal["parquet"]
+    """Rows in files: Parquet, or CSV / JSON lines (read by pyarrow, kept as Parquet copies:
+    table_files.py), with the same column options."""
+
+    source: Literal["parquet", "csv", "json"]
     validation: ValidationSplit | None = None
     path: str = Field(min_length=1)
     test_path: str | None = None
@@ -88,6 +91,9 @@ class ParquetData(Section):
         if len(given) != 1:
             raise FieldProblem("set exactly one of feature_columns, tensor_column or text_column "
                                f"(got {', '.join(given) or 'none'})", "feature_columns")
+        if self.source == "csv" and self.tensor_column is not None:
+            raise FieldProblem("a CSV cell holds no tensor: use source json or parquet",
+                               "tensor_column")
         for column, (_, std) in (self.normalize or {}).items():
             if column not in (self.feature_columns or []):
                 raise FieldProblem(f"{column!r} is not one of data.feature_columns "

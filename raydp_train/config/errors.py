@@ -82,7 +82,7 @@ def describe(err: Any, root: type[BaseModel]) -> str:
     path, ann, tag_field = _walk(loc, root)
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         path = f"{path}.{tag_field}"
-        tags = ", ".join(repr(_tag(m, tag_field)) for m in _models(ann))
+        tags = ", ".join(repr(tag) for m in _models(ann) for tag in _tags(m, tag_field))
         got = f", got {ctx['tag']!r}" if "tag" in ctx else ""
         message = f"must be one of {tags}{got}" if got else f"required; one of {tags}"
     elif kind == "literal_error":
@@ -118,7 +118,7 @@ def _walk(loc: Sequence[str | int], root: type[BaseModel]) -> tuple[str, Any, st
         members = _models(ann)
         if tag_field and len(members) > 1:
             # pydantic puts the chosen union member's tag into loc; resolve it, do not show it.
-            ann = next((m for m in members if _tag(m, tag_field) == item), None)
+            ann = next((m for m in members if item in _tags(m, tag_field)), None)
             tag_field = None
             continue
         field = members[0].model_fields.get(item) if len(members) == 1 else None
@@ -138,8 +138,9 @@ def _models(ann: Any) -> list[type[BaseModel]]:
     return [m for m in _options(ann) if isinstance(m, type) and issubclass(m, BaseModel)]
 
 
-def _tag(model: type[BaseModel], tag_field: str) -> str:
-    return typing.get_args(model.model_fields[tag_field].annotation)[0]
+def _tags(model: type[BaseModel], tag_field: str) -> tuple[str, ...]:
+    """The tag values that pick `model` (a Literal may allow several: parquet, csv, json)."""
+    return typing.get_args(model.model_fields[tag_field].annotation)
 
 
 def show(value: Any) -> str:
