@@ -3,6 +3,8 @@ rebuilt from its run directory, reproduces the run's recorded test accuracy on t
 test file; a file without labels gets the same predictions and no accuracy."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -70,23 +72,38 @@ def test_predict_reproduces_the_runs_test_accuracy(kind, ray_session, tmp_path, 
         _check_transformers_alone(run_dir, test, recorded, list(result.classes))
 
 
+# transformers alone, in a fresh process as a consumer of the folder runs it: the predicted
+# class ids with trust_remote_code, and what loading without it raised.
+CONSUMER = """
+import json, sys, transformers
+folder, sentences = sys.argv[1], json.load(sys.stdin)
+classify = transformers.pipeline("text-classification", model=folder, trust_remote_code=True)
+ids = classify.model.config.label2id
+predicted = [ids[o["label"]] for o in classify(sentences, truncation=True, max_length=8)]
+try:
+    transformers.pipeline("text-classification", model=folder, trust_remote_code=False)
+    refusal = None
+except ValueError as error:
+    refusal = str(error)
+print(json.dumps({"predicted": predicted, "refusal": refusal}))
+"""
+
+
 def _check_transformers_alone(run_dir: Path, test, recorded: float, classes: list) -> None:
     """The mean-pooled `model/` with transformers' pipeline alone: the run's accuracy with
     trust_remote_code (its pooling is custom code), a refusal without it, never [CLS]."""
-    transformers = pytest.importorskip("transformers", reason="a runtime dependency")
+    pytest.importorskip("transformers", reason="a runtime dependency")
     sentences = test.column("sentence").to_pylist()
-    classify = transformers.pipeline("text-classification", model=str(run_dir / "model"),
-                                     trust_remote_code=True)
-    outputs = classify(sentences, truncation=True, max_length=8)
-    labels = classify.model.config.label2id
-    predicted = [labels[output["label"]] for output in outputs]
+    done = subprocess.run([sys.executable, "-c", CONSUMER, str(run_dir / "model")],
+                          input=json.dumps(sentences), capture_output=True, text=True,
+                          check=True, timeout=300)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    predicted = seen["predicted"]
     assert predicted == classes
     accuracy = sum(p == y for p, y in zip(predicted, test.column("label").to_pylist(),
                                           strict=True)) / len(sentences)
     assert accuracy == pytest.approx(recorded, abs=1e-6)
-    with pytest.raises(ValueError, match="trust_remote_code"):
-        transformers.pipeline("text-classification", model=str(run_dir / "model"),
-                              trust_remote_code=False)
+    assert seen["refusal"] is not None and "trust_remote_code" in seen["refusal"]
 
 
 def test_predict_refuses_what_is_not_a_finished_run(tmp_path):
