@@ -149,6 +149,27 @@ def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = Fals
                      on_line=on_line or _silent)
 
 
+def open_budget(name: str, epsilon: float, delta: float, *, ledger: str | None = None,
+                accountant: str = "rdp"):
+    """The global budget `name` (made on first use, read back from its ledger after): a
+    handle to pass to `PrivateStep(budget=...)` in your own loop. Call it on the driver,
+    after `ray.init`; the terms are checked as a pipeline's `budget:` section's."""
+    from pydantic import ValidationError
+
+    from raydp_train.budget_actor import open_budget as open_actor
+    from raydp_train.config.errors import describe
+    from raydp_train.config.sweep import BudgetConfig
+
+    terms = {"name": name, "epsilon": epsilon, "delta": delta, "accountant": accountant}
+    try:
+        config = BudgetConfig.model_validate(terms | ({} if ledger is None else
+                                                      {"ledger": ledger}))
+    except ValidationError as e:
+        raise PipelineError("open_budget", [f"budget.{describe(err, BudgetConfig)}"
+                                            for err in e.errors()]) from None
+    return open_actor(config)
+
+
 def _cpus(pipeline: Pipeline) -> int:
     return max(4, pipeline.training.workers + 2)  # workers, the progress queue, the controller
 
