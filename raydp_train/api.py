@@ -22,6 +22,7 @@ from pathlib import Path
 
 from raydp_train.config.pipeline import Pipeline, PipelineError, dump_pipeline
 from raydp_train.console import epoch_printer, progress_printer
+from raydp_train.reports.trackers import check_loggers
 
 # The stop reason of a run a second Ctrl-C ended at once, inside an epoch.
 ABORTED = "interrupted at once by a second Ctrl-C: the epoch that was running stays counted"
@@ -73,6 +74,7 @@ def checked(pipeline: Pipeline, *, check_model: bool = False, address: str | Non
     from raydp_train.preflight import check_pipeline
 
     check_locations(pipeline, source)
+    check_loggers(pipeline, source)
     warn_if_not_shared(pipeline, address)
     return check_pipeline(pipeline, for_training=False, build_model=check_model)
 
@@ -86,6 +88,7 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
     run directory. An unfinished run of the same pipeline is continued (run.on_interrupted),
     unless `new`; `resume` names the one to continue."""
     from raydp_train.reports.run import new_run_dir, privacy_statement, write_run_record
+    from raydp_train.reports.trackers import RunTrackers
     from raydp_train.reruns import driving, run_to_continue
     from raydp_train.train.trainer import RunInterrupted, fit
     from raydp_train.worker_errors import explain
@@ -104,17 +107,26 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
     budget = _open_budget(pipeline, on_line)  # refused before a run directory is made
     run_dir = resumed or new_run_dir(pipeline)
     on_line(_header(pipeline, plan, run_dir))
+    trackers = RunTrackers(pipeline, run_dir, plan)
+
+    def each_epoch(row: dict) -> None:
+        trackers.log(row)
+        on_epoch(row)
+
     try:
         with driving(run_dir):
-            result = fit(pipeline, plan, run_dir, on_epoch=on_epoch, budget=budget,
+            result = fit(pipeline, plan, run_dir, on_epoch=each_epoch, budget=budget,
                          owner=run_dir.name, dataset=dataset, on_progress=on_progress)
     except RunInterrupted:
+        trackers.close("interrupted")
         return RunResult(run_dir, "interrupted", ABORTED)
     except Exception as error:  # from the workers, under Ray's wrappers: one line (worker_errors)
+        trackers.close("failed")
         explained = explain(error, run_dir)
         if explained is error:
             raise
         raise explained from error
+    trackers.close(_status(result))
     if result.stop_reason.startswith("interrupted"):
         return RunResult(run_dir, "interrupted", result.stop_reason, result.metrics)
     if result.steps_charged == 0 and resumed is None:
@@ -123,8 +135,7 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
         return RunResult(run_dir, "nothing trained", result.stop_reason)
     privacy = privacy_statement(plan, result, pipeline.training.workers)
     record = write_run_record(run_dir, pipeline, result, privacy)
-    status = "completed" if result.stop_reason == "completed" else "stopped"
-    return RunResult(run_dir, status, result.stop_reason, result.metrics, privacy, record,
+    return RunResult(run_dir, _status(result), result.stop_reason, result.metrics, privacy, record,
                      None if budget is None else budget.status())
 
 
@@ -140,6 +151,7 @@ def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = Fals
         raise PipelineError(source, [("tune: required by `raydp-train tune` (search_space, "
                                      "num_samples, ...); see README")])
     check_locations(pipeline, source)
+    check_loggers(pipeline, source)
 
     def connect_and_warn() -> None:
         connect(address, pipeline.training, _cpus(pipeline), verbose)
@@ -170,6 +182,13 @@ def open_budget(name: str, epsilon: float, delta: float, *, ledger: str | None =
     return open_actor(config)
 
 
+def _status(result) -> str:
+    """A finished fit's RunResult.status (before a run that trained nothing is told apart)."""
+    if result.stop_reason.startswith("interrupted"):
+        return "interrupted"
+    return "completed" if result.stop_reason == "completed" else "stopped"
+
+
 def _cpus(pipeline: Pipeline) -> int:
     return max(4, pipeline.training.workers + 2)  # workers, the progress queue, the controller
 
@@ -182,6 +201,7 @@ def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source:
     from raydp_train.resources import connect
 
     check_locations(pipeline, source)
+    check_loggers(pipeline, source)
     connect(address, pipeline.training, _cpus(pipeline), verbose)
     warn_if_not_shared(pipeline, address)
     return check_pipeline(pipeline, for_training=True)

@@ -65,6 +65,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
 
     from raydp_train.budget_actor import open_budget
     from raydp_train.reports.run import new_run_dir
+    from raydp_train.reports.trackers import tune_callbacks
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our own progress lines, not Tune's
     config = pipeline.tune
@@ -107,8 +108,9 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
         tune_config=tune.TuneConfig(
             num_samples=num_samples, max_concurrent_trials=config.max_concurrent_trials,
             scheduler=_scheduler(pipeline), time_budget_s=config.time_budget_s),
-        run_config=tune.RunConfig(storage_path=str(directory.resolve()), name="trials",
-                                  verbose=0, callbacks=[_progress_printer(on_line, pipeline)]),
+        run_config=tune.RunConfig(storage_path=str(directory.resolve()), name="trials", verbose=0,
+                                  callbacks=[_progress_printer(on_line, pipeline),
+                                             *tune_callbacks(pipeline)]),  # run.loggers
     )
     grid = tuner.fit() if num_samples > 0 else []
     if trial_budget is None:  # the random-stopping sweep is over: its reservation is spent

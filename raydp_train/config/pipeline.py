@@ -155,6 +155,10 @@ class RunConfig(Section):
     # The same `run` again after an interruption: continue the unfinished run (resume), or
     # stop and name the choice (refuse); `--new` always starts another (reruns.py).
     on_interrupted: Literal["resume", "refuse"] = "resume"
+    # Each epoch's metrics, epsilon by both accountants and the budget left, also to a CSV
+    # file, TensorBoard events, an MLflow run (reports/trackers.py); a sweep logs each trial.
+    loggers: list[Literal["csv", "tensorboard", "mlflow"]] = Field(default_factory=list)
+    mlflow_tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else <output_dir>/mlruns
 
     @model_validator(mode="after")
     def _secure_is_unseeded(self) -> RunConfig:

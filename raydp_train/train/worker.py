@@ -184,6 +184,8 @@ def train(
             "elapsed_s": time.monotonic() - started,
             "lr": training.lr * schedule_scale(optimizer),  # training.lr as scheduled
         }
+        if pipeline.run.loggers and rank == 0:
+            row.update(tracked_privacy(plan, charged, context.account.budget))
         if local.validation_labels is not None:
             context.releasing_metric(epoch)
             row["validation_accuracy"] = context.gather(
@@ -203,6 +205,16 @@ def train(
     result.checksums = context.gather(parameter_checksum(model))
     result.peak_rss_mb = context.gather(peak_rss_mb())
     return result
+
+
+def tracked_privacy(plan: PrivacyPlan, charged: Charged, budget) -> dict[str, float]:
+    """What `run.loggers` adds to an epoch's row: epsilon so far by both accountants, and the
+    global budget's epsilon left when the run spends from one."""
+    row = {f"epsilon_{accountant}": plan.epsilon(charged.steps, accountant, charged.releases)
+           for accountant in ("rdp", "pld")}
+    if budget is not None:
+        row["budget_epsilon_left"] = budget.status()["epsilon_remaining"]
+    return row
 
 
 def _local_rows(pipeline, context, dataset, data_shape):
