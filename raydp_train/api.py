@@ -47,10 +47,16 @@ class RunResult:
     privacy: dict = field(default_factory=dict)  # privacy.json: epsilon by both accountants, ...
     record: Path | None = None  # record.json, once the run ended
     budget: dict | None = None  # the global budget's status after the run
+    ray_result: object = None  # Ray Train's Result (its checkpoint: the last epoch's state)
 
     @property
     def epsilon(self) -> float | None:
         return self.privacy.get("epsilon")
+
+    @property
+    def checkpoint(self):
+        """Ray Train's last checkpoint of the run (model, optimizer and schedule state)."""
+        return None if self.ray_result is None else self.ray_result.checkpoint
 
     @property
     def model(self) -> Path | None:
@@ -59,12 +65,31 @@ class RunResult:
         return path if self.record is not None and path.is_file() else None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What validate found: the run's PrivacyPlan (its fields and `epsilon()` read through:
+    `plan.steps`, `plan.sampling_rate`, ...), a sweep's whole epsilon, and the budget's
+    epsilon left and whether it can pay all of it (None where there is no sweep, no budget)."""
+
+    privacy: object  # plan.PrivacyPlan
+    sweep_epsilon: float | None = None
+    budget_epsilon_left: float | None = None
+    budget_can_pay: bool | None = None
+
+    def __getattr__(self, name: str):
+        if name == "privacy":  # not set yet (a copy being made): no delegation loop
+            raise AttributeError(name)
+        return getattr(self.privacy, name)
+
+
 def validate(pipeline: Pipeline, *, check_model: bool = False, address: str | None = None,
-             source: str = "<pipeline>"):
-    """Every check `run` makes before it spends, without Ray or a model's weights; the
-    PrivacyPlan (q, steps, sigma, epsilon()). `address`: warn about paths a cluster's nodes
-    would not share."""
-    return checked(pipeline, check_model=check_model, address=address, source=source)[1]
+             source: str = "<pipeline>") -> Plan:
+    """Every check `run` makes before it spends, without Ray or a model's weights; the Plan.
+    `address`: warn about paths a cluster's nodes would not share."""
+    from raydp_train.validation import spending
+
+    plan = checked(pipeline, check_model=check_model, address=address, source=source)[1]
+    return Plan(plan, **spending(pipeline, plan))
 
 
 def checked(pipeline: Pipeline, *, check_model: bool = False, address: str | None = None,
@@ -128,7 +153,8 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
         raise explained from error
     trackers.close(_status(result))
     if result.stop_reason.startswith("interrupted"):
-        return RunResult(run_dir, "interrupted", result.stop_reason, result.metrics)
+        return RunResult(run_dir, "interrupted", result.stop_reason, result.metrics,
+                         ray_result=result.ray_result)
     if result.steps_charged == 0 and resumed is None:
         # Nothing trained and nothing charged: an untrained model.pt would only mislead.
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -136,7 +162,7 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
     privacy = privacy_statement(plan, result, pipeline.training.workers)
     record = write_run_record(run_dir, pipeline, result, privacy)
     return RunResult(run_dir, _status(result), result.stop_reason, result.metrics, privacy, record,
-                     None if budget is None else budget.status())
+                     None if budget is None else budget.status(), result.ray_result)
 
 
 def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = False,

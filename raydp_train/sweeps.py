@@ -52,6 +52,7 @@ class SweepResult:
     best: dict | None
     privacy: dict
     num_classes: int  # for the chance line of the plot
+    result_grid: object = None  # Ray Tune's ResultGrid of the trials (None: none ran)
 
     @property
     def finished_trials(self) -> int:
@@ -92,7 +93,8 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
                        worst_case_noise_multiplier=spend.noise_multiplier)
         if not decision.granted:
             on_line(f"STOPPED before any trial: {decision.reason}")
-            return _finish(directory, pipeline, [], None, budget, privacy, dataset, on_line)
+            return _finish(directory, pipeline, [], None, budget, privacy, dataset, on_line,
+                           None)
         trial_budget = None  # the sweep's one reservation covers every trial
         on_line(f"random stopping: {num_samples} trial(s) drawn (mean "
                 f"{config.random_stopping.mean_trials:g}), reserved epsilon "
@@ -112,12 +114,12 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
                                   callbacks=[_progress_printer(on_line, pipeline),
                                              *tune_callbacks(pipeline)]),  # run.loggers
     )
-    grid = tuner.fit() if num_samples > 0 else []
+    grid = tuner.fit() if num_samples > 0 else None
     if trial_budget is None:  # the random-stopping sweep is over: its reservation is spent
         budget.settle(decision, spend.steps, spend.releases)
-    trials = [_trial_row(result, config) for result in grid]
+    trials = [_trial_row(result, config) for result in grid or []]
     best = _best(trials, config)
-    return _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line)
+    return _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line, grid)
 
 
 def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -> None:
@@ -371,8 +373,8 @@ def _best(trials: list[dict], config) -> dict | None:
     return pick(scored, key=lambda t: t[config.metric])
 
 
-def _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line):
-    from raydp_train.reports.sweep import write_sweep_outputs
+def _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line, grid):
+    from raydp_train.reports.sweep import best_yaml_header, write_sweep_outputs
 
     status = budget.status()
     privacy.update(
@@ -384,17 +386,9 @@ def _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line
         best_pipeline = pipeline_from_dict(pipeline.model_dump(mode="json"), overrides)
         best = {**best, "model": str(_keep_best_model(directory, best))}
         (directory / "best.yaml").write_text(
-            _best_yaml_header(directory, best, pipeline) + dump_pipeline(best_pipeline))
+            best_yaml_header(directory, best, pipeline) + dump_pipeline(best_pipeline))
     shutil.rmtree(directory / MODELS, ignore_errors=True)
-    sweep = SweepResult(directory, trials, best, privacy, dataset.num_classes)
+    sweep = SweepResult(directory, trials, best, privacy, dataset.num_classes, grid)
     write_sweep_outputs(sweep, pipeline, on_line)
     return sweep
 
-
-def _best_yaml_header(directory: Path, best: dict, pipeline: Pipeline) -> str:
-    """best.yaml must not send anyone to train, and spend, again for a model they have."""
-    return (f"# The best trial ({pipeline.tune.metric} {best[pipeline.tune.metric]:.4f}) of the "
-            f"sweep in {directory}.\n# Its model is already saved: {best['model']} "
-            "(model.pt, record.json).\n# `raydp-train run` of this file trains a NEW model and "
-            f"SPENDS AGAIN from budget '{pipeline.budget.name}'\n# (`raydp-train validate` "
-            "says whether the budget can still pay).\n")

@@ -48,6 +48,15 @@ def print_validation(pipeline: Pipeline, dataset, plan: PrivacyPlan,
 
 def _sweep_spend(pipeline: Pipeline, plan: PrivacyPlan) -> Spend:
     """Print and return what the whole search spends at most (ARCHITECTURE.md §2.7)."""
+    spend, epsilon, how = sweep_spending(pipeline, plan)
+    print(f"the sweep will spend    epsilon {epsilon:.4f} at delta {plan.delta:g} "
+          f"({plan.accountant.upper()}, {how}, each trial counted as the costliest: sigma "
+          f"{spend.noise_multiplier:.4g}, q {spend.sampling_rate:.4g}, {spend.steps} steps)")
+    return spend
+
+
+def sweep_spending(pipeline: Pipeline, plan: PrivacyPlan) -> tuple[Spend, float, str]:
+    """(what the whole search spends at most, its epsilon, how it is counted)."""
     from raydp_train.sweeps import (
         check_search_space,
         random_stopping_spend,
@@ -64,11 +73,24 @@ def _sweep_spend(pipeline: Pipeline, plan: PrivacyPlan) -> Spend:
     else:
         spend = trials_spend(pipeline, plan, trial_count(config))
         how = f"composition of {trial_count(config)} trials"
-    epsilon = composed_epsilon([spend.dp_event()], plan.delta, plan.accountant)
-    print(f"the sweep will spend    epsilon {epsilon:.4f} at delta {plan.delta:g} "
-          f"({plan.accountant.upper()}, {how}, each trial counted as the costliest: sigma "
-          f"{spend.noise_multiplier:.4g}, q {spend.sampling_rate:.4g}, {spend.steps} steps)")
-    return spend
+    return spend, composed_epsilon([spend.dp_event()], plan.delta, plan.accountant), how
+
+
+def spending(pipeline: Pipeline, plan: PrivacyPlan) -> dict:
+    """What validate says besides the plan, as values: the whole sweep's epsilon (None without
+    `tune`), the budget's epsilon left and whether it can pay all of it (None without one)."""
+    from raydp_train.reports.budget import book_of
+
+    whole = plan.spend(plan.steps, plan.epochs * plan.releases_per_epoch)
+    sweep_epsilon = None
+    if pipeline.tune is not None:
+        whole, sweep_epsilon, _ = sweep_spending(pipeline, plan)
+    left = can_pay = None
+    if pipeline.budget is not None and plan.private:
+        book = book_of(pipeline.budget)
+        left, can_pay = book.status()["epsilon_remaining"], _propose(book, whole).granted
+    return {"sweep_epsilon": sweep_epsilon, "budget_epsilon_left": left,
+            "budget_can_pay": can_pay}
 
 
 def _print_budget(pipeline: Pipeline) -> BudgetBook:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import dp_accounting
 import pytest
+import ray.train
 
 import raydp_train as rt
 from raydp_train.cli import main
@@ -47,6 +48,8 @@ def test_the_readme_python_block_runs_as_written(ray_session, tmp_path, monkeypa
     assert result.epsilon == pytest.approx(namespace["plan"].epsilon(), rel=1e-12)
     assert json.loads(result.record.read_text())["privacy"] == result.privacy
     assert len(result.metrics) == 3 and result.model == result.run_dir / "model.pt"
+    assert isinstance(result.ray_result, ray.train.Result)  # Ray Train's, with its checkpoint
+    assert result.checkpoint is not None and Path(result.checkpoint.path).is_dir()
     assert not namespace["model"].training
     output = printed.getvalue()
     assert "refused: " in output and "missing.parquet" in output  # the typed error, one line
@@ -82,3 +85,19 @@ def test_importing_the_package_imports_neither_torch_nor_ray():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, timeout=120)
     assert done.stdout.strip() == "[]"
+
+
+def test_validate_says_what_the_cli_prints_a_sweeps_epsilon_and_the_budget_left(tmp_path,
+                                                                              capsys):
+    options = [f"budget.ledger={tmp_path / 'ledger'}"]
+    pipeline = rt.Pipeline.from_yaml(ROOT / "pipelines/sweep_digits.yaml", overrides=options)
+    plan = rt.validate(pipeline)
+    assert main(["validate", str(ROOT / "pipelines/sweep_digits.yaml"),
+                 "--set", options[0]]) == 0
+    printed = capsys.readouterr().out
+    assert f"the sweep will spend    epsilon {plan.sweep_epsilon:.4f}" in printed
+    assert f"budget left             epsilon {plan.budget_epsilon_left:.4f} of 10" in printed
+    assert plan.budget_can_pay is (plan.sweep_epsilon <= 10)
+    assert plan.sweep_epsilon > plan.epsilon() and plan.steps == plan.privacy.steps
+    quickstart = rt.validate(rt.Pipeline.from_yaml(ROOT / "pipelines/quickstart.yaml"))
+    assert (quickstart.sweep_epsilon, quickstart.budget_epsilon_left) == (None, None)

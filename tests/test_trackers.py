@@ -88,7 +88,8 @@ def test_a_two_trial_sweep_logs_every_trial_through_tunes_callbacks(ray_session,
     raw["tune"].update(num_samples=1, max_concurrent_trials=1,
                        search_space={"privacy.noise_multiplier": {"grid": [1.5, 3.0]}})
     sweep = rt.tune(rt.Pipeline.from_dict(raw), on_line=None)
-    assert len(sweep.trials) == 2
+    assert len(sweep.trials) == 2 and len(sweep.result_grid) == 2  # and Tune's ResultGrid
+    assert {result.config["privacy.noise_multiplier"] for result in sweep.result_grid} == {1.5, 3.0}
     progress = sorted((sweep.directory / "trials").glob("*/progress.csv"))
     assert len(progress) == 2
     for path in progress:

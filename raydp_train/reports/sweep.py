@@ -54,3 +54,12 @@ def privacy_text(privacy: dict) -> str:
             f"{privacy['delta']:g} ({privacy['accountant'].upper()}, {how})\n"
             f"budget '{privacy['budget']}': epsilon {privacy['budget_epsilon_counted']:.4f} of "
             f"{privacy['budget_epsilon']:g} counted in all (ledger {privacy.get('ledger')})")
+
+
+def best_yaml_header(directory, best: dict, pipeline) -> str:
+    """best.yaml must not send anyone to train, and spend, again for a model they have."""
+    return (f"# The best trial ({pipeline.tune.metric} {best[pipeline.tune.metric]:.4f}) of the "
+            f"sweep in {directory}.\n# Its model is already saved: {best['model']} "
+            "(model.pt, record.json).\n# `raydp-train run` of this file trains a NEW model and "
+            f"SPENDS AGAIN from budget '{pipeline.budget.name}'\n# (`raydp-train validate` "
+            "says whether the budget can still pay).\n")

@@ -144,6 +144,7 @@ def fit(
     trained: TrainResult = result.return_value
     if len(set(trained.checksums)) != 1:
         raise RuntimeError(f"workers ended with different parameters: {trained.checksums}")
+    trained.ray_result = result
     return trained
 
 

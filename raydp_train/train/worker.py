@@ -59,6 +59,7 @@ class TrainResult:
     # Each rank's (engine self-checks run, their seconds): privacy.self_check's cost.
     self_checks: list[tuple[int, float]] = field(default_factory=list)
     data_shape: tuple = ()  # (one example's feature shape, classes): what rebuilds the model
+    ray_result: object = None  # Ray Train's Result of the fit (set on the driver)
 
 
 def _shared_seed(pipeline, context) -> int:
