@@ -78,6 +78,7 @@ def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes:
     engine = make_mechanism(pipeline.privacy, torch.Generator()).attach(
         model, pipeline.privacy.clip_norm)
     try:
+        check_loss(pipeline.model, model, feature_shape, num_classes)
         check_engine(pipeline, model, engine, feature_shape, num_classes)
     finally:
         engine.close()
@@ -87,16 +88,30 @@ def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes:
     return model
 
 
+def check_loss(config, model: nn.Module, feature_shape: tuple[int, ...], num_classes: int) -> None:
+    """A torch model's own `model.loss` gives one loss per example (else refused by name)."""
+    import torch
+
+    from raydp_train.custom_models import classifier_loss
+
+    if getattr(config, "loss", None) is not None:
+        generator = torch.Generator().manual_seed(0)
+        features = torch.randn(2, *feature_shape, generator=generator)
+        with torch.no_grad():
+            classifier_loss(config)(model, features, torch.arange(2) % max(num_classes, 1))
+
+
 def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tuple[int, ...],
                  num_classes: int) -> None:
     """privacy.self_check on a random batch of the model's input shape: the engine against
     one backward pass per example, before any budget is reserved (privacy/self_check.py)."""
     import torch
 
+    from raydp_train.custom_models import classifier_loss
     from raydp_train.hf_causal import causal_lm_loss
     from raydp_train.privacy.clipping import PerExampleClipper
     from raydp_train.privacy.self_check import SelfCheckError, compare_with_per_example
-    from raydp_train.train.step import AUTOCAST_DTYPES, cross_entropy_loss, in_precision
+    from raydp_train.train.step import AUTOCAST_DTYPES, in_precision
 
     settings = pipeline.privacy.self_check
     if not settings.enabled or not isinstance(engine, PerExampleClipper):
@@ -113,7 +128,8 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
         features = torch.randn(count, *feature_shape, generator=generator)
     labels = torch.randint(max(num_classes, 1), (count,), generator=generator)
     causal = getattr(pipeline.model, "task", None) == "causal_lm"
-    loss = causal_lm_loss(pipeline.model.loss_reduction) if causal else cross_entropy_loss
+    loss = causal_lm_loss(pipeline.model.loss_reduction) if causal else classifier_loss(
+        pipeline.model)
     precision = pipeline.training.precision
     report = compare_with_per_example(engine, in_precision(loss, precision, "cpu"),
                                       (model, features, labels), count,

@@ -4,7 +4,9 @@
 config/paths.py) or "package.module:function" (importable on the driver and every worker: an
 installed package, or the job's working directory). The function gets `model.kwargs`, plus
 `feature_shape` and `num_classes` where its signature takes them, and returns an nn.Module
-mapping [B, *feature_shape] to [B, num_classes] logits. The clipping engine's checks apply as
+mapping [B, *feature_shape] to [B, num_classes] logits. `model.loss`, named the same way, is
+the per-example training loss (outputs, labels) -> [B] (default cross-entropy); each call is
+checked to give one loss per example. The clipping engine's checks apply as
 to every model: an unsupported layer or a parameter used outside its module is refused by
 name, before anything is spent.
 """
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from raydp_train.errors import UserError
 
@@ -30,7 +32,7 @@ class CustomModelError(UserError, ValueError):
 
 
 def custom_model(config, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    factory = load_factory(config.factory)
+    factory = load_function(config.factory)
     offered = {"feature_shape": tuple(feature_shape), "num_classes": num_classes}
     takes = inspect.signature(factory).parameters
     extra = {k: v for k, v in offered.items() if k in takes and k not in config.kwargs}
@@ -46,18 +48,43 @@ def custom_model(config, feature_shape: tuple[int, ...], num_classes: int) -> nn
     return model
 
 
-def load_factory(spec: str) -> Callable:
+def load_function(spec: str, field: str = "model.factory") -> Callable:
+    """The function `spec` ("file.py:function" or "package.module:function") names."""
     target, _, name = spec.rpartition(":")
-    module = _from_file(Path(target)) if target.endswith(".py") else _imported(target)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise CustomModelError(f"model.factory: {target} has no function {name!r}")
-    return factory
+    module = _from_file(Path(target), field) if target.endswith(".py") else _imported(target,
+                                                                                       field)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise CustomModelError(f"{field}: {target} has no function {name!r}")
+    return function
 
 
-def _from_file(path: Path):
+def classifier_loss(config) -> Callable[[nn.Module, Tensor, Tensor], Tensor]:
+    """The training loss of a classifier: `model.loss` of a torch model, else cross-entropy.
+    Each call checks that the user's function gave one loss per example."""
+    from raydp_train.train.step import cross_entropy_loss
+
+    spec = getattr(config, "loss", None)
+    if spec is None:
+        return cross_entropy_loss
+    function = load_function(spec, "model.loss")
+
+    def losses(model: nn.Module, features: Tensor, labels: Tensor) -> Tensor:
+        values = function(model(features), labels)
+        if not isinstance(values, Tensor) or tuple(values.shape) != (labels.shape[0],):
+            shape = list(values.shape) if isinstance(values, Tensor) else type(values).__name__
+            raise CustomModelError(
+                f"model.loss: {spec} must return one loss per example, shape [B], got {shape} "
+                f"for B={labels.shape[0]} (reduction='none', not a mean: each example's loss is "
+                "clipped on its own)")
+        return values
+
+    return losses
+
+
+def _from_file(path: Path, field: str):
     if not path.is_file():
-        raise CustomModelError(f"model.factory: file not found: {path}")
+        raise CustomModelError(f"{field}: file not found: {path}")
     # One module per file, under a name of its own: loading it twice gives the same classes.
     name = "raydp_train_user_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     if name in sys.modules:
@@ -69,17 +96,17 @@ def _from_file(path: Path):
         spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[name]
-        raise CustomModelError(f"model.factory: running {path} raised "
+        raise CustomModelError(f"{field}: running {path} raised "
                                f"{type(error).__name__}: {error}") from error
     return module
 
 
-def _imported(target: str):
+def _imported(target: str, field: str):
     try:
         return importlib.import_module(target)
     except ImportError as error:
         raise CustomModelError(
-            f"model.factory: cannot import {target!r} ({error}); install its package on every "
+            f"{field}: cannot import {target!r} ({error}); install its package on every "
             "node, ship it in the job's working directory, or name a file: "
             "\"path/to/models.py:function\"") from error
 

@@ -14,6 +14,7 @@ from oracles import engine_sum_in_parameter_order, naive_clipped_sum
 
 import raydp_train as rt
 from raydp_train.cli import main
+from raydp_train.custom_models import classifier_loss
 from raydp_train.models import build_model
 from raydp_train.privacy.clipping import PerExampleClipper
 
@@ -21,21 +22,22 @@ ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "pipelines" / "digits_custom_model.yaml"
 
 
-def example_losses(model, inputs, labels):
-    return F.cross_entropy(model(inputs), labels, reduction="none")
-
-
 @pytest.mark.usefixtures("float64")
 @pytest.mark.parametrize("clip_norm", [1e-3, 1e3])  # every example clipped; none
-def test_the_example_models_clipped_sum_is_the_per_example_loops(clip_norm):
+@pytest.mark.parametrize("loss", ["the file's", "cross-entropy"])
+def test_the_example_models_clipped_sum_is_the_per_example_loops(clip_norm, loss):
     torch.manual_seed(0)
-    pipeline = rt.Pipeline.from_yaml(EXAMPLE)
+    overrides = [] if loss == "the file's" else ["model.loss=null"]
+    pipeline = rt.Pipeline.from_yaml(EXAMPLE, overrides=overrides)
     model = build_model(pipeline.model, (1, 8, 8), 10)
     assert isinstance(model[1], torch.nn.GroupNorm)  # the file's model, kwargs applied
+    losses = classifier_loss(pipeline.model)
     inputs, labels = torch.randn(7, 1, 8, 8), torch.arange(7) % 10
-    expected, norms, _ = naive_clipped_sum(model, example_losses, inputs, labels, clip_norm)
+    smoothed = F.cross_entropy(model(inputs), labels, reduction="none", label_smoothing=0.1)
+    assert torch.equal(losses(model, inputs, labels), smoothed) is (loss == "the file's")
+    expected, norms, _ = naive_clipped_sum(model, losses, inputs, labels, clip_norm)
     clipper = PerExampleClipper(model, clip_norm)
-    stats = clipper.accumulate(example_losses, model, inputs, labels)
+    stats = clipper.accumulate(losses, model, inputs, labels)
     got = engine_sum_in_parameter_order(model, clipper)
     clipper.close()
     assert torch.max(torch.abs(got - expected)) / torch.max(torch.abs(expected)) < 1e-9
@@ -82,6 +84,34 @@ def test_a_factory_that_cannot_be_used_is_refused_by_name(case, tmp_path, capsys
     assert main(["validate", str(pipeline), "--check-model"]) == 2
     error = capsys.readouterr().err
     assert message in error and "Traceback" not in error
+    assert len(error.strip().splitlines()) == 1
+
+
+BAD_LOSSES = {
+    "a mean": ("models/user_models.py:mean_loss",
+               "must return one loss per example, shape [B], got [] for B=2"),
+    "no function": ("models/user_models.py:nope", "model.loss: {} has no function 'nope'"),
+    "no file": ("models/missing.py:loss", "model.loss: file not found"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LOSSES))
+def test_a_loss_that_cannot_be_used_is_refused_by_name_before_anything_is_spent(case, tmp_path,
+                                                                                capsys):
+    loss, message = BAD_LOSSES[case]
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "user_models.py").write_text(
+        "import torch.nn.functional as F\n\ndef mean_loss(logits, labels):\n"
+        "    return F.cross_entropy(logits, labels)\n")
+    (tmp_path / "models" / "digits_cnn.py").write_text(
+        (ROOT / "pipelines/models/digits_cnn.py").read_text())
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(EXAMPLE.read_text().replace(
+        "models/digits_cnn.py:smoothed_cross_entropy", loss))
+    assert main(["validate", str(pipeline), "--check-model"]) == 2
+    error = capsys.readouterr().err
+    message = message.format(tmp_path / "models" / "user_models.py")
+    assert message in error and "Traceback" not in error, error
     assert len(error.strip().splitlines()) == 1
 
 

@@ -25,6 +25,7 @@ RUN_ELSEWHERE = {
     "model.lm_loss": "causal_lm only: tests/test_causal_lm_run.py",
     "model.factory": "model.kind torch: tests/test_custom_model.py (a run on 2 workers)",
     "model.kwargs": "model.kind torch: tests/test_custom_model.py",
+    "model.loss": "model.kind torch: tests/test_custom_model.py (the example on 2 workers)",
     "run.loggers": "tests/test_trackers.py (a run and a 2-trial sweep, the files read back)",
     "run.mlflow_tracking_uri": "tests/test_trackers.py (a local MLflow file store)",
 }

@@ -142,6 +142,9 @@ class CnnModel(Section):
         return value
 
 
+FUNCTION_SPEC = r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$"  # "file.py:function", "package.module:function"
+
+
 class TorchModel(Section):
     """A model from the user's own code: `factory` names a function returning an nn.Module,
     as "file.py:function" (beside the pipeline, or absolute) or "package.module:function"
@@ -149,8 +152,11 @@ class TorchModel(Section):
     `num_classes` if it takes them."""
 
     kind: Literal["torch"]
-    factory: str = Field(pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$", max_length=4096)
+    factory: str = Field(pattern=FUNCTION_SPEC, max_length=4096)
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    # The per-example loss, "file.py:function" or "package.module:function": (outputs,
+    # labels) -> [B] losses, one per example (null: cross-entropy on the logits).
+    loss: str | None = Field(None, pattern=FUNCTION_SPEC, max_length=4096)
     num_classes: NumClasses = None
 
 

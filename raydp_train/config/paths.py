@@ -15,7 +15,7 @@ from pathlib import Path
 def resolve_relative_paths(raw: dict, base: Path) -> dict:
     """`raw` (a parsed pipeline, changed in place) with its relative input paths made absolute
     against `base`: data.path, data.test_path, data.validation.path, the file of a
-    model.factory ("file.py:function"), and a model.name_or_path that starts with ./ or ../
+    model.factory and model.loss ("file.py:function"), and a model.name_or_path that starts with ./ or ../
     (without those it may name a hub model, e.g. `org/name`).
     Values of the wrong type are left for the schema to refuse."""
     data = raw.get("data")
@@ -26,11 +26,12 @@ def resolve_relative_paths(raw: dict, base: Path) -> dict:
     model = raw.get("model")
     if isinstance(model, dict) and str(model.get("name_or_path")).startswith(("./", "../")):
         _make_absolute(model, ("name_or_path",), base)
-    factory = model.get("factory") if isinstance(model, dict) else None
-    if isinstance(factory, str) and ".py:" in factory:  # model.kind torch: a file's function
-        file, _, function = factory.rpartition(":")
-        if _relative_path(file):
-            model["factory"] = f"{(base / file).resolve()}:{function}"
+    for field in ("factory", "loss"):  # model.kind torch: a file's function
+        spec = model.get(field) if isinstance(model, dict) else None
+        if isinstance(spec, str) and ".py:" in spec:
+            file, _, function = spec.rpartition(":")
+            if _relative_path(file):
+                model[field] = f"{(base / file).resolve()}:{function}"
     return raw
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from raydp_train.custom_models import classifier_loss
 from raydp_train.data import Dataset, accuracy_baselines, load_data
 from raydp_train.hf_causal import causal_lm_loss, token_loss_sum
 from raydp_train.hf_files import tokenizer_source
@@ -25,7 +26,7 @@ from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
 from raydp_train.train.engine_checks import EngineChecks
 from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
-from raydp_train.train.step import AUTOCAST_DTYPES, cross_entropy_loss, private_step
+from raydp_train.train.step import AUTOCAST_DTYPES, private_step
 from raydp_train.train.threads import use_threads
 
 # Seconds between progress lines within an epoch (SST-2 epochs take minutes).
@@ -263,13 +264,13 @@ def _loss_and_score(pipeline, model: nn.Module, local: Dataset):
     """(per-example loss, cached prefix outputs or None, score(model, split)): a causal LM's
     next-token loss and held-out token losses, or a classifier's (`_frozen_prefix_cache`)."""
     if not is_causal_lm(pipeline.model):
-        return _frozen_prefix_cache(pipeline.training, model, local)
+        return _frozen_prefix_cache(pipeline.training, pipeline.model, model, local)
     splits = {"test": local.test_features, "validation": local.validation_features}
     return (causal_lm_loss(pipeline.model.loss_reduction), None,
             lambda model, split: token_loss_sum(model, splits[split]))
 
 
-def _frozen_prefix_cache(training, model: nn.Module, local: Dataset):
+def _frozen_prefix_cache(training, model_config, model: nn.Module, local: Dataset):
     """(per-example loss, outputs of the frozen prefix for this rank's training rows or None,
     score(model, split) -> (correct, rows) on this rank's rows of the split): with
     training.cache_frozen_prefix the frozen bottom layers run once per example (hf_prefix),
@@ -277,7 +278,7 @@ def _frozen_prefix_cache(training, model: nn.Module, local: Dataset):
     splits = {"test": (local.test_features, local.test_labels),
               "validation": (local.validation_features, local.validation_labels)}
     if not training.cache_frozen_prefix:
-        return (cross_entropy_loss, None,
+        return (classifier_loss(model_config), None,
                 lambda model, split: correct_count(model, *splits[split]))
     prefix = FrozenPrefix(model)
     hidden = {split: prefix.outputs(model, features)
