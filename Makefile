@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast setup clean
+.PHONY: run test test-fast lint setup clean
 
 run: $(STAMP)
 	$(BIN)/raydp-train run pipelines/quickstart.yaml
@@ -17,6 +17,10 @@ test: $(STAMP)
 # The edit loop: math, schema, ledger, engine; no Ray and no other process (tests/conftest.py).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not ray and not slow and not cluster"
+
+# The linter CI runs (pyproject.toml [tool.ruff]); the version is pinned in the test extra.
+lint: $(STAMP)
+	$(BIN)/ruff check raydp_train tests benchmarks pipelines
 
 setup: $(STAMP)
 
