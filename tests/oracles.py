@@ -6,21 +6,45 @@ import torch.nn.functional as F
 from raydp_train.privacy.clipping import PerExampleClipper
 
 
-def naive_clipped_sum(model, example_losses, inputs, labels, clip_norm=None):
-    """(clipped sum in the order of the trainable parameters, per-example norms, clip norm):
-    one backward pass per example. clip_norm None: the median norm, so some clip, some not."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    per_example = []
+def per_example_grads(model, example_losses, inputs, labels, params=None,
+                      use_backward=False) -> torch.Tensor:
+    """[B, P]: one backward pass per example, over `params` (default: the model's trainable
+    parameters, in model.parameters() order; an unused one gives zeros). `inputs` is a tensor
+    or a tuple of tensors, cut per example alike. `use_backward`: .backward() instead of
+    autograd.grad (reentrant activation checkpoints refuse autograd.grad)."""
+    params = params or [p for p in model.parameters() if p.requires_grad]
+    rows = []
     for i in range(labels.shape[0]):
-        loss = example_losses(model, inputs[i:i + 1], labels[i:i + 1]).sum()
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        per_example.append(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
-                                      for p, g in zip(params, grads, strict=True)]))
-    per_example = torch.stack(per_example)
+        one = (tuple(t[i:i + 1] for t in inputs) if isinstance(inputs, tuple)
+               else inputs[i:i + 1])
+        loss = example_losses(model, one, labels[i:i + 1]).sum()
+        if use_backward:
+            for p in params:
+                p.grad = None
+            loss.backward()
+            grads = [p.grad for p in params]
+        else:
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
+                               for p, g in zip(params, grads, strict=True)]))
+    return torch.stack(rows)
+
+
+def clip_and_sum(per_example: torch.Tensor, clip_norm=None):
+    """(sum of the rows each clipped to norm `clip_norm`, the rows' norms, the clip norm).
+    clip_norm None: the median norm, so some clip, some not; inf: none clipped."""
     norms = per_example.norm(dim=1)
     clip_norm = norms.median().item() if clip_norm is None else clip_norm
-    factors = clip_norm / norms.clamp(min=clip_norm)
+    factors = torch.where(norms > clip_norm, clip_norm / norms, torch.ones_like(norms))
     return (per_example * factors.unsqueeze(1)).sum(0), norms, clip_norm
+
+
+def naive_clipped_sum(model, example_losses, inputs, labels, clip_norm=None, params=None,
+                      use_backward=False):
+    """(clipped sum in the order of the trainable parameters, per-example norms, clip norm):
+    one backward pass per example (per_example_grads, clip_and_sum)."""
+    return clip_and_sum(per_example_grads(model, example_losses, inputs, labels, params,
+                                          use_backward), clip_norm)
 
 
 def engine_sum_in_parameter_order(model, clipper) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The one-backward clipped sum against a naive loop of single-example backward passes."""
 
+import oracles
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,20 +16,10 @@ pytestmark = pytest.mark.usefixtures("float64")
 
 
 def naive_clipped_sum(model, inputs, targets, loss_fn, clip_norm):
-    """Oracle: one backward per example, clip its full gradient, sum. Returns (sum, norms)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
-    norms = []
-    for i in range(inputs.shape[0]):
-        loss = loss_fn(model(inputs[i : i + 1]), targets[i : i + 1]).sum()
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-        norm = torch.sqrt(sum(g.square().sum() for g in grads))
-        norms.append(norm)
-        factor = min(1.0, clip_norm / norm.item()) if norm > 0 else 1.0
-        for acc, g in zip(total, grads):
-            acc += factor * g
-    return torch.cat([t.flatten() for t in total]), torch.stack(norms)
+    """The oracle (tests/oracles.py) for a loss of (outputs, targets): (sum, norms)."""
+    expected, norms, _ = oracles.naive_clipped_sum(
+        model, lambda m, x, y: loss_fn(m(x), y), inputs, targets, clip_norm)
+    return expected, norms
 
 
 def engine_clipped_sum(model, inputs, targets, loss_fn, clip_norm, micro_batch=None):

@@ -4,6 +4,7 @@ BERT, RoBERTa, DistilBERT and GPT-2 against a naive per-example loop, padding in
 import pytest
 import torch
 import torch.nn.functional as F
+from oracles import engine_sum_in_parameter_order, naive_clipped_sum
 
 from raydp_train.privacy.clipping import BatchDimensionError, PerExampleClipper
 
@@ -110,22 +111,11 @@ def test_transformer_clipped_sum_matches_naive_loop_with_padding(kind, layout):
     def example_losses(model, tokens, labels):
         return F.cross_entropy(model(tokens), labels, reduction="none")
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    per_example = []
-    for i in range(BATCH):
-        grads = torch.autograd.grad(example_losses(model, tokens[i:i + 1], labels[i:i + 1]).sum(),
-                                    params, allow_unused=True)
-        per_example.append(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
-                                      for p, g in zip(params, grads, strict=True)]))
-    per_example = torch.stack(per_example)
-    norms = per_example.norm(dim=1)
-    clip_norm = norms.median().item()
-    expected = (per_example * (clip_norm / norms.clamp(min=clip_norm)).unsqueeze(1)).sum(0)
+    expected, norms, clip_norm = naive_clipped_sum(model, example_losses, tokens, labels)
 
     clipper = PerExampleClipper(model, clip_norm)
     stats = clipper.accumulate(example_losses, model, tokens, labels)
-    by_param = {id(p): p.grad.flatten() for p in clipper.parameters}
-    got = torch.cat([by_param[id(p)] for p in params])
+    got = engine_sum_in_parameter_order(model, clipper)
     torch.testing.assert_close(stats.norms, norms, rtol=1e-7, atol=1e-10)
     assert torch.linalg.norm(got - expected) / torch.linalg.norm(expected) < 1e-5
     if kind == "gpt2":  # its attention and MLP projections are transformers' Conv1D

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from oracles import naive_clipped_sum
 from torch import nn
 
 from raydp_train.config.pipeline import LsgConfig, PipelineError, pipeline_from_dict
@@ -82,14 +83,8 @@ def oracle_and_engine(make_model, x, y):
     carriers = lsg.carriers[model[0]]
     oracle = nn.Sequential(Reparametrized(model[0], carriers.left, carriers.right), *model[1:])
     params = [oracle[0].left, oracle[0].right, model[0].bias, *model[2:].parameters()]
-    per_example = []
-    for i in range(len(y)):
-        loss = cross_entropy_loss(oracle, x[i : i + 1], y[i : i + 1]).sum()
-        per_example.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]))
-    per_example = torch.stack(per_example)
-    norms = per_example.norm(dim=1)
-    clip_norm = norms.median().item()
-    expected = (per_example * (clip_norm / norms.clamp(min=clip_norm)).unsqueeze(1)).sum(0)
+    expected, norms, clip_norm = naive_clipped_sum(oracle, cross_entropy_loss, x, y,
+                                                   params=params)
 
     clipper = PerExampleClipper(model, clip_norm, rules=lsg.rules)
     lsg.bind(clipper.slots, clipper.flat_grad)

@@ -17,6 +17,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from oracles import per_example_grads
 from random_models import Program, generate
 
 from raydp_train.privacy.clipping import PerExampleClipper, UnsupportedLayerError
@@ -40,17 +41,12 @@ def build(program: Program):
 
 
 def naive_per_example_grads(model, inputs, labels) -> torch.Tensor:
-    """[B, P]: one backward per example, over model.parameters() that require grad."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = []
-    for i in range(labels.shape[0]):
-        one = tuple(t[i : i + 1] for t in inputs)
-        loss = F.cross_entropy(model(*one), labels[i : i + 1], reduction="sum")
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        rows.append(torch.cat([
-            (torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(params, grads)
-        ]))
-    return torch.stack(rows)
+    """[B, P]: the oracle (tests/oracles.py) for the generated model's several inputs."""
+    return per_example_grads(model, multi_input_losses, inputs, labels)
+
+
+def multi_input_losses(model, inputs: tuple, labels):
+    return F.cross_entropy(model(*inputs), labels, reduction="none")
 
 
 def engine_clipped_sum(model, inputs, labels, clip_norm):
