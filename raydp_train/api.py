@@ -97,7 +97,9 @@ def checked(pipeline: Pipeline, *, check_model: bool = False, address: str | Non
     """validate's checks; (the Dataset as read, the PrivacyPlan)."""
     from raydp_train.locations import check_locations, warn_if_not_shared
     from raydp_train.preflight import check_pipeline
+    from raydp_train.ray_datasets import with_ray_datasets
 
+    with_ray_datasets(pipeline, None, source)  # a ray_dataset pipeline: its rows, from run()
     check_locations(pipeline, source)
     check_loggers(pipeline, source)
     warn_if_not_shared(pipeline, address)
@@ -107,11 +109,12 @@ def checked(pipeline: Pipeline, *, check_model: bool = False, address: str | Non
 def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | None = None,
         new: bool = False, verbose: bool = False, source: str = "<pipeline>",
         on_line: Callable[[str], None] | None = _say, on_epoch: Callable | None = ...,
-        on_progress: Callable | None = ..., rerun_choices: Callable[[Path], str] | None = None
-        ) -> RunResult:
+        on_progress: Callable | None = ..., rerun_choices: Callable[[Path], str] | None = None,
+        datasets: dict | None = None) -> RunResult:
     """Train the pipeline on Ray Train (joining `address`, else an embedded Ray) and write its
     run directory. An unfinished run of the same pipeline is continued (run.on_interrupted),
-    unless `new`; `resume` names the one to continue."""
+    unless `new`; `resume` names the one to continue. `datasets`: {"train": ray.data.Dataset,
+    "test": ...} for a pipeline with data.source ray_dataset (ray_datasets.py)."""
     from raydp_train.reports.run import new_run_dir, privacy_statement, write_run_record
     from raydp_train.reports.trackers import RunTrackers
     from raydp_train.reruns import driving, run_to_continue
@@ -122,7 +125,7 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
     epochs = pipeline.training.epochs
     on_epoch = epoch_printer(epochs) if on_epoch is ... else on_epoch or _silent
     on_progress = progress_printer(epochs) if on_progress is ... else on_progress or _silent
-    dataset, plan = _prepare_run(pipeline, address, verbose, source)
+    pipeline, dataset, plan = _prepare_run(pipeline, address, verbose, source, datasets)
     resumed = resumed_run_dir(resume, pipeline) if resume else None
     if resumed is None and not new:
         resumed = run_to_continue(pipeline, source, rerun_choices or _python_choices)
@@ -166,12 +169,17 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
 
 
 def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = False,
-         source: str = "<pipeline>", on_line: Callable[[str], None] | None = _say):
+         source: str = "<pipeline>", on_line: Callable[[str], None] | None = _say,
+         datasets: dict | None = None):
     """Run the pipeline's `tune:` sweep, every trial spending from its one budget; the
-    SweepResult (trials, best trial, its model), or None when the budget cannot pay a trial."""
+    SweepResult (trials, best trial, its model), or None when the budget cannot pay a trial.
+    `datasets`: as run's (the Ray Datasets already tie this driver to its Ray)."""
     from raydp_train.locations import check_locations, warn_if_not_shared
+    from raydp_train.ray_datasets import with_ray_datasets
     from raydp_train.resources import connect
     from raydp_train.sweeps import run_sweep
+
+    pipeline = with_ray_datasets(pipeline, datasets, source)
 
     if pipeline.tune is None:
         raise PipelineError(source, [("tune: required by `raydp-train tune` (search_space, "
@@ -219,18 +227,23 @@ def _cpus(pipeline: Pipeline) -> int:
     return max(4, pipeline.training.workers + 2)  # workers, the progress queue, the controller
 
 
-def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source: str):
+def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source: str,
+                 datasets: dict | None):
     """Every check before anything is spent (preflight); Ray first: text is tokenized by Ray
-    Data."""
+    Data, and Ray Datasets are written as Parquet. (pipeline reading them, Dataset, plan)."""
     from raydp_train.locations import check_locations, warn_if_not_shared
     from raydp_train.preflight import check_pipeline
+    from raydp_train.ray_datasets import with_ray_datasets
     from raydp_train.resources import connect
 
+    if datasets is None:  # a ray_dataset pipeline without its rows: refused before Ray starts
+        with_ray_datasets(pipeline, None, source)
     check_locations(pipeline, source)
     check_loggers(pipeline, source)
     connect(address, pipeline.training, _cpus(pipeline), verbose)
+    pipeline = with_ray_datasets(pipeline, datasets, source)
     warn_if_not_shared(pipeline, address)
-    return check_pipeline(pipeline, for_training=True)
+    return pipeline, *check_pipeline(pipeline, for_training=True)
 
 
 def resumed_run_dir(run_dir: str | Path, pipeline: Pipeline) -> Path:

@@ -100,10 +100,10 @@ MALFORMED = {
         ["privacy.accountant=xyz"], "privacy.accountant: must be one of 'rdp', 'pld', got 'xyz'"),
     "bad data source": (
         ["data.source=xlsx"],
-        "data.source: must be one of 'synthetic', 'sklearn_digits', 'parquet', 'csv', 'json', got 'xlsx'"),
+        "data.source: must be one of 'synthetic', 'sklearn_digits', 'parquet', 'csv', 'json', 'ray_dataset', got 'xlsx'"),
     "missing data source": (
         ["data={n_samples: 100}"],
-        "data.source: required; one of 'synthetic', 'sklearn_digits', 'parquet', 'csv', 'json'"),
+        "data.source: required; one of 'synthetic', 'sklearn_digits', 'parquet', 'csv', 'json', 'ray_dataset'"),
     "bad model kind": (
         ["model.kind=rnn"], "model.kind: must be one of 'logistic', 'mlp', 'cnn', 'torch', 'hf', got 'rnn'"),
     "bad optimizer": (

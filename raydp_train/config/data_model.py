@@ -104,7 +104,17 @@ class ParquetData(Section):
         return self
 
 
-DataConfig = Annotated[SyntheticData | DigitsData | ParquetData, Field(discriminator="source")]
+class RayDatasetData(ParquetData):
+    """Rows handed over as Ray Datasets, `raydp_train.run(pipeline, datasets={"train": ds,
+    "test": ds})` (ray_datasets.py), with Parquet's column options; no paths."""
+
+    source: Literal["ray_dataset"]
+    path: None = None
+    test_path: None = None
+
+
+DataConfig = Annotated[SyntheticData | DigitsData | ParquetData | RayDatasetData,
+                       Field(discriminator="source")]
 
 # --- model ------------------------------------------------------------------------------------
 
