@@ -23,6 +23,7 @@ from pathlib import Path
 from raydp_train.config.pipeline import Pipeline, PipelineError, dump_pipeline
 from raydp_train.console import epoch_printer, progress_printer
 from raydp_train.reports.trackers import check_loggers
+from raydp_train.stops import StopReason
 
 # The stop reason of a run a second Ctrl-C ended at once, inside an epoch.
 ABORTED = "interrupted at once by a second Ctrl-C: the epoch that was running stays counted"
@@ -48,6 +49,7 @@ class RunResult:
     record: Path | None = None  # record.json, once the run ended
     budget: dict | None = None  # the global budget's status after the run
     ray_result: object = None  # Ray Train's Result (its checkpoint: the last epoch's state)
+    stop: StopReason | None = None  # why it stopped (stop_reason: as shown)
 
     @property
     def epsilon(self) -> float | None:
@@ -147,7 +149,7 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
                          owner=run_dir.name, dataset=dataset, on_progress=on_progress)
     except RunInterrupted:
         trackers.close("interrupted")
-        return RunResult(run_dir, "interrupted", ABORTED)
+        return RunResult(run_dir, "interrupted", ABORTED, stop=StopReason.INTERRUPTED)
     except Exception as error:  # from the workers, under Ray's wrappers: one line (worker_errors)
         trackers.close("failed")
         explained = explain(error, run_dir)
@@ -155,17 +157,18 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
             raise
         raise explained from error
     trackers.close(_status(result))
-    if result.stop_reason.startswith("interrupted"):
+    if result.stop is StopReason.INTERRUPTED:
         return RunResult(run_dir, "interrupted", result.stop_reason, result.metrics,
-                         ray_result=result.ray_result)
+                         ray_result=result.ray_result, stop=result.stop)
     if result.steps_charged == 0 and resumed is None:
         # Nothing trained and nothing charged: an untrained model.pt would only mislead.
         shutil.rmtree(run_dir, ignore_errors=True)
-        return RunResult(run_dir, "nothing trained", result.stop_reason)
+        return RunResult(run_dir, "nothing trained", result.stop_reason, stop=result.stop)
     privacy = privacy_statement(plan, result, pipeline.training.workers)
     record = write_run_record(run_dir, pipeline, result, privacy)
     return RunResult(run_dir, _status(result), result.stop_reason, result.metrics, privacy, record,
-                     None if budget is None else budget.status(), result.ray_result)
+                     None if budget is None else budget.status(), result.ray_result,
+                     result.stop)
 
 
 def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = False,
@@ -218,9 +221,9 @@ def open_budget(name: str, epsilon: float, delta: float, *, ledger: str | None =
 
 def _status(result) -> str:
     """A finished fit's RunResult.status (before a run that trained nothing is told apart)."""
-    if result.stop_reason.startswith("interrupted"):
+    if result.stop is StopReason.INTERRUPTED:
         return "interrupted"
-    return "completed" if result.stop_reason == "completed" else "stopped"
+    return "completed" if result.stop is StopReason.COMPLETED else "stopped"
 
 
 def _cpus(pipeline: Pipeline) -> int:

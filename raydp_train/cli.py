@@ -18,6 +18,7 @@ from raydp_train.errors import UserError
 from raydp_train.generate import add_generate_command
 from raydp_train.predictions import add_predict_command
 from raydp_train.quiet import quiet_third_party
+from raydp_train.stops import StopReason
 from raydp_train.worker_errors import WorkerBug
 
 # `run` and `tune` exit with this when the global budget refused to let them finish.
@@ -148,7 +149,7 @@ def run(args) -> int:
     print_summary(json.loads(result.record.read_text()), result.record)
     if result.budget is not None:
         print(status_text(result.budget))
-    if result.stop_reason.startswith("target epsilon reached"):
+    if result.stop is StopReason.TARGET_EPSILON_REACHED:
         # The run did what it may: it stopped where one more epoch would pass its target.
         print(f"\nSTOPPED EARLY: {result.stop_reason}")
     elif result.status != "completed":

@@ -30,6 +30,7 @@ from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.mechanism import DpSgd
 from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sampling import poisson_sample, sampling_rate
+from raydp_train.stops import StopReason
 from raydp_train.train.charges import Charged, ChargeRefused, MemoryCharges, RunAccount
 from raydp_train.train.step import cross_entropy_loss, private_step
 
@@ -119,10 +120,11 @@ class PrivateStep:
             try:
                 self.account.charge(Charged(self.steps_per_charge))
             except ChargeRefused as error:
-                refusal = str(error)
+                refusal = error.details
         refusal = self._from_rank_0(refusal)
         if refusal is not None:
-            raise BudgetExhausted(f"{refusal} (after {self.steps_done} steps)")
+            raise BudgetExhausted(StopReason.BUDGET_EXHAUSTED,
+                                  f"{refusal} (after {self.steps_done} steps)")
         self._granted += self.steps_per_charge
         self._last_chunk = self.steps_per_charge
 

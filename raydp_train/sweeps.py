@@ -33,11 +33,10 @@ from raydp_train.preflight import check_pipeline
 from raydp_train.privacy.budget import Spend
 from raydp_train.privacy.ledger import as_uri
 from raydp_train.privacy.random_stopping import draw_trial_count
+from raydp_train.stops import REFUSALS, StopReason
 from raydp_train.worker_errors import user_error_in
 
 SPEND_FIELDS = ("training.batch_size", "training.epochs")  # with sigma: what a trial spends
-RUNNING = "running"
-REFUSALS = ("budget exhausted", "reservation used up")  # shown without their long reasons
 MODELS = "trial_models"  # each trained trial's model, until the sweep keeps the best
 
 
@@ -56,7 +55,7 @@ class SweepResult:
 
     @property
     def finished_trials(self) -> int:
-        return sum(t["stop_reason"] == "completed" for t in self.trials)
+        return sum(t["stop_reason"] == StopReason.COMPLETED.value for t in self.trials)
 
 
 def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | None:
@@ -147,7 +146,7 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
     ceiling = planned_charges(plan) if budget is None else None
 
     def report(row: dict) -> None:
-        tune.report({**row, "stop_reason": RUNNING})
+        tune.report({**row, "stop": StopReason.RUNNING.value})
 
     if pipeline.training.workers == 1:
         account = RunAccount(MemoryCharges(), budget, owner, plan, epsilon_cap(pipeline, plan),
@@ -165,7 +164,8 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
     if result.steps_done:
         _save_trial_model(Path(directory), trial_id, pipeline, plan, result)
     last = result.metrics[-1] if result.metrics else {"epoch": 0, "validation_accuracy": math.nan}
-    tune.report({**last, "stop_reason": result.stop_reason, "final": True,
+    tune.report({**last, "stop": result.stop.value, "stop_reason": result.stop_reason,
+                 "final": True,
                  "epsilon": plan.epsilon(result.steps_charged, releases=result.releases_charged),
                  "steps_charged": result.steps_charged})
 
@@ -202,7 +202,7 @@ def _progress_printer(on_line, pipeline: Pipeline):
     class ProgressPrinter(Callback):
         def on_trial_result(self, iteration, trials, trial, result, **info):
             if result.get("final"):
-                on_line(f"  {trial.trial_id}  {result['stop_reason'].split(':')[0]}  "
+                on_line(f"  {trial.trial_id}  {result['stop']}  "
                         f"(trial epsilon {result['epsilon']:.3f})")
             elif "epoch" in result and "epsilon" in result:
                 on_line(f"  {trial.trial_id}  epoch {result['epoch']}{of}  {metric} "
@@ -345,17 +345,19 @@ def _trial_row(result, config) -> dict:
     # A trial the time budget ended before it started has no config and no metrics.
     row = {"trial": metrics.get("trial_id", ""), **dict.fromkeys(config.search_space),
            **(result.config or {})}
-    default_stop = "failed" if result.error else ("stopped by scheduler" if metrics
-                                                  else "not started")
-    stop = metrics.get("stop_reason", default_stop)
-    if stop == RUNNING:  # ASHA ended it after an epoch report
-        stop = "stopped by scheduler"
+    default_stop = StopReason.FAILED if result.error else (
+        StopReason.STOPPED_BY_SCHEDULER if metrics else StopReason.NOT_STARTED)
+    stop = StopReason(metrics.get("stop", default_stop))
+    if stop is StopReason.RUNNING:  # ASHA ended it after an epoch report
+        stop = StopReason.STOPPED_BY_SCHEDULER
+    # Refusals are shown without their long reasons; a final report's other stops in full.
+    shown = metrics["stop_reason"] if metrics.get("final") and stop not in REFUSALS else stop.value
     row.update(
         epochs=metrics.get("epoch", 0), steps_charged=metrics.get("steps_charged"),
         epsilon=metrics.get("epsilon", math.nan),
         validation_accuracy=metrics.get("validation_accuracy", math.nan),
         test_accuracy=metrics.get("test_accuracy", math.nan),
-        stop_reason=stop.split(":")[0] if stop.startswith(REFUSALS) else stop)
+        stop_reason=shown)
     if result.error:  # the user's own error under Ray's wrappers, else Ray's first line
         found = user_error_in(result.error)
         row["error"] = str(found) if found else str(result.error).splitlines()[0]
@@ -365,7 +367,8 @@ def _trial_row(result, config) -> dict:
 def _best(trials: list[dict], config) -> dict | None:
     """Among the trials that trained as planned (or until ASHA compared them): one the budget
     cut short is no candidate for the model a sweep ends with."""
-    scored = [t for t in trials if t["stop_reason"] in ("completed", "stopped by scheduler")
+    scored = [t for t in trials if t["stop_reason"] in (StopReason.COMPLETED.value,
+                                                        StopReason.STOPPED_BY_SCHEDULER.value)
               and not math.isnan(t[config.metric])]
     if not scored:
         return None

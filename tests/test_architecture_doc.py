@@ -2,7 +2,8 @@
 repository names a section that exists, no citation of the old out-of-repository design
 document is left, the module map names exactly the modules of raydp_train/, the privacy
 math keeps the rule the map states (no Ray, no YAML, no pipeline schema), and the layout
-stays readable: no import cycle among the package's modules, no module over 400 lines."""
+stays readable: no import cycle among the package's modules, no module over 400 lines, no
+stop reason matched by its text."""
 
 import ast
 import os
@@ -21,6 +22,10 @@ FORBIDDEN_IN_PRIVACY = {"ray", "yaml", "pydantic"}
 # Outside privacy/, the privacy math may import only the leaf module of the user-error base.
 ALLOWED_IN_PRIVACY = {"raydp_train.errors"}
 MAX_MODULE_LINES = 400
+# A stop reason read back from its text (issue 30: the StopReason enum is compared instead).
+TEXT_MATCHED_STOP = re.compile(
+    r"stop(?:_reason)?\W*\]?\.(?:startswith|split)\(|"
+    r"startswith\(\(?\"(?:interrupted|budget exhausted|target epsilon|reservation used up)")
 
 
 def section_numbers(doc: str) -> set[str]:
@@ -173,7 +178,25 @@ def test_no_module_is_over_400_lines():
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concept): {long}"
 
 
+def stop_reasons_matched_by_text(package: Path) -> list[str]:
+    return [f"{path.relative_to(package)}:{number}"
+            for path in sorted(package.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if TEXT_MATCHED_STOP.search(line)]
+
+
+def test_stop_reasons_are_compared_as_the_enum_never_by_their_text():
+    found = stop_reasons_matched_by_text(PACKAGE)
+    assert not found, f"compare raydp_train.stops.StopReason members instead: {found}"
+
+
 # The checks themselves catch what they are for.
+
+def test_a_stop_reason_matched_by_its_text_is_caught(tmp_path):
+    (tmp_path / "cli.py").write_text('if result.stop_reason.startswith("interrupted"):\n'
+                                     "    stop = result['stop_reason'].split(':')[0]\n")
+    assert stop_reasons_matched_by_text(tmp_path) == ["cli.py:1", "cli.py:2"]
+
 
 
 def test_a_citation_of_a_missing_section_is_caught(tmp_path):

@@ -6,12 +6,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from raydp_train.stops import StopReason
+
 ACCURACIES = (("test_accuracy", "test accuracy"), ("validation_accuracy", "validation accuracy"))
 # Record key -> (legend text, line style, colour) of what an accuracy must beat.
 BASELINES = {"chance": ("chance (1/K)", ":", "gray"),
              "test_majority_class": ("majority class of the test split", "--", "black")}
 # A sweep trial's stop reason -> its marker.
-TRIAL_MARKERS = {"completed": "o", "budget exhausted": "x", "stopped by scheduler": "s"}
+TRIAL_MARKERS = {StopReason.COMPLETED.value: "o", StopReason.BUDGET_EXHAUSTED.value: "x",
+                 StopReason.STOPPED_BY_SCHEDULER.value: "s"}
 ACCURACY_LABEL = "accuracy (fraction correct)"
 
 

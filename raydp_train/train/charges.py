@@ -34,6 +34,7 @@ from typing import NamedTuple
 from pyarrow import fs
 
 from raydp_train.privacy.ledger import as_uri
+from raydp_train.stops import StopReason
 
 RELEASE_LOG = "released-{attempt}.log"  # one per attempt, beside the charges
 
@@ -50,8 +51,15 @@ class Charged(NamedTuple):
 
 
 class ChargeRefused(RuntimeError):
-    """The next epoch may not be charged; the message is the run's stop reason ("budget
-    exhausted: ...", "target epsilon reached: ...", "interrupted: ...")."""
+    """The next epoch may not be charged: `stop` says why (a StopReason), the message is the
+    run's stop reason as shown ("budget exhausted: ...", "target epsilon reached: ...")."""
+
+    def __init__(self, stop: StopReason, details: str):
+        super().__init__(stop.because(details))
+        self.stop, self.details = stop, details
+
+    def __reduce__(self):  # crosses process boundaries: rebuilt from its arguments
+        return (type(self), (self.stop, self.details))
 
 
 class ChargeLedger:
@@ -234,7 +242,7 @@ class RunAccount:
             decision = self.budget.reserve(self.owner, self.plan.spend(*charge), request)
             if not decision.granted:
                 self.record.withdraw(charge)
-                raise ChargeRefused(f"budget exhausted: {decision.reason}")
+                raise ChargeRefused(StopReason.BUDGET_EXHAUSTED, decision.reason)
             self._open = decision
         return total
 
@@ -261,7 +269,8 @@ class RunAccount:
         epsilon = self.plan.epsilon(after.steps, releases=after.releases)
         if epsilon > self.epsilon_cap:
             raise ChargeRefused(
-                f"target epsilon reached: {before.steps} steps are charged and the next "
+                StopReason.TARGET_EPSILON_REACHED,
+                f"{before.steps} steps are charged and the next "
                 f"epoch's {charge.steps} would make epsilon {epsilon:.4f}, above "
                 f"privacy.target_epsilon {self.epsilon_cap:g}"
             )
@@ -272,7 +281,8 @@ class RunAccount:
         after = self.total() + charge
         if after.steps > self.ceiling.steps or after.releases > self.ceiling.releases:
             raise ChargeRefused(
-                f"reservation used up: the sweep reserved {self.ceiling.steps} steps and "
+                StopReason.RESERVATION_USED_UP,
+                f"the sweep reserved {self.ceiling.steps} steps and "
                 f"{self.ceiling.releases} releases for this trial, and the next epoch would "
                 f"charge {after.steps} and {after.releases} (a restart repeats steps)")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from raydp_train.stops import StopReason
 from raydp_train.train.charges import Charged, ChargeRefused, MemoryCharges, RunAccount
 
 
@@ -124,13 +125,14 @@ class RayTrainContext:
         if self.rank == 0:
             try:
                 if stop_requested(self.run_dir):
-                    raise ChargeRefused("interrupted: stopped before the next epoch was charged")
+                    raise ChargeRefused(StopReason.INTERRUPTED,
+                                        "stopped before the next epoch was charged")
                 answer = self.account.charge(charge, epoch, first_step)
             except ChargeRefused as refusal:
-                answer = str(refusal)
+                answer = refusal
         answer = self.gather(answer)[0]
-        if isinstance(answer, str):
-            raise ChargeRefused(answer)
+        if isinstance(answer, ChargeRefused):
+            raise answer
         return Charged(*answer)
 
     def releasing_step(self, step: int) -> None:

@@ -22,6 +22,7 @@ from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.mechanism import Mechanism, make_mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_, make_generator, make_noise_generator
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
+from raydp_train.stops import StopReason
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
 from raydp_train.train.engine_checks import EngineChecks
@@ -41,9 +42,8 @@ class TrainResult:
     steps_done: int = 0  # steps of the finished run
     steps_charged: int = 0  # steps charged to the privacy account, restarts included
     releases_charged: int = 0  # noisy validation-metric releases charged
-    # Or why the run stopped early: "budget exhausted: <the accountant's reason>",
-    # "target epsilon reached: ...", "interrupted: ..." (ChargeRefused's message).
-    stop_reason: str = "completed"
+    stop: StopReason = StopReason.COMPLETED  # or why the run stopped early
+    stop_reason: str = "completed"  # as shown: "budget exhausted: <the accountant's reason>"
     checksums: list[str] = field(default_factory=list)  # one per rank: all equal
     # Numbers trained (= all-reduced) per step: LSG's kept carrier entries + other params.
     trained_per_step: int = 0
@@ -147,7 +147,7 @@ def train(
         try:
             charged = context.charge(epoch_charge, epoch, step)
         except ChargeRefused as refusal:
-            result.stop_reason = str(refusal)
+            result.stop, result.stop_reason = refusal.stop, str(refusal)
             break
         model.train()
         loss_sum, seen = 0.0, 0
