@@ -123,10 +123,19 @@ def test_trial_rows_cover_trials_the_time_budget_never_started():
     assert never_started["stop_reason"] == "not started"
     assert set(config.search_space) <= set(never_started)  # same columns as the other rows
     finished = _trial_row(SimpleNamespace(
-        metrics={"trial_id": "t1", "epoch": 2, "stop_reason": "completed", "epsilon": 1.5,
-                 "steps_charged": 20, "validation_accuracy": 0.8, "test_accuracy": 0.7},
+        metrics={"trial_id": "t1", "epoch": 2, "stop": "completed", "stop_reason": "completed",
+                 "final": True, "epsilon": 1.5, "steps_charged": 20,
+                 "validation_accuracy": 0.8, "test_accuracy": 0.7},
         config={"privacy.noise_multiplier": 2.0}, error=None), config)
     assert finished["stop_reason"] == "completed" and finished["privacy.noise_multiplier"] == 2.0
+    refused = _trial_row(SimpleNamespace(metrics={
+        "trial_id": "t2", "epoch": 1, "stop": "budget exhausted", "final": True,
+        "stop_reason": "budget exhausted: epsilon 3.1 would pass 3"}, config={}, error=None),
+        config)
+    assert refused["stop_reason"] == "budget exhausted"  # without its long reason
+    cut = _trial_row(SimpleNamespace(metrics={"trial_id": "t3", "epoch": 1, "stop": "running"},
+                                     config={}, error=None), config)
+    assert cut["stop_reason"] == "stopped by scheduler"  # ASHA ended it after an epoch
 
 
 def test_param_group_fields_are_searchable_by_index():
