@@ -84,7 +84,8 @@ def test_a_two_trial_sweep_logs_every_trial_through_tunes_callbacks(ray_session,
     raw["training"]["epochs"] = 2
     raw["run"] = {"output_dir": str(tmp_path / "runs"), "loggers": LOGGERS,
                   "mlflow_tracking_uri": uri}
-    raw["budget"]["ledger"] = str(tmp_path / "ledger")
+    # A name of its own: the session's Ray keeps one accountant actor per budget name.
+    raw["budget"].update(name="tracked-sweep", ledger=str(tmp_path / "ledger"))
     raw["tune"].update(num_samples=1, max_concurrent_trials=1,
                        search_space={"privacy.noise_multiplier": {"grid": [1.5, 3.0]}})
     sweep = rt.tune(rt.Pipeline.from_dict(raw), on_line=None)
