@@ -109,8 +109,16 @@ class RayDatasetData(ParquetData):
     "test": ds})` (ray_datasets.py), with Parquet's column options; no paths."""
 
     source: Literal["ray_dataset"]
-    path: None = None
-    test_path: None = None
+    path: str | None = None
+    test_path: str | None = None
+
+    @model_validator(mode="after")
+    def _no_paths(self) -> RayDatasetData:
+        for field in ("path", "test_path"):
+            if getattr(self, field) is not None:
+                raise FieldProblem("not read with source ray_dataset: the rows are the Ray "
+                                   "Datasets passed to run(pipeline, datasets=...)", field)
+        return self
 
 
 DataConfig = Annotated[SyntheticData | DigitsData | ParquetData | RayDatasetData,
