@@ -99,9 +99,9 @@ def checked(pipeline: Pipeline, *, check_model: bool = False, address: str | Non
     """validate's checks; (the Dataset as read, the PrivacyPlan)."""
     from raydp_train.locations import check_locations, warn_if_not_shared
     from raydp_train.preflight import check_pipeline
-    from raydp_train.ray_datasets import with_ray_datasets
+    from raydp_train.ray_datasets import require_rows
 
-    with_ray_datasets(pipeline, None, source)  # a ray_dataset pipeline: its rows, from run()
+    require_rows(pipeline, source)  # a ray_dataset pipeline gets its rows from run() alone
     check_locations(pipeline, source)
     check_loggers(pipeline, source)
     warn_if_not_shared(pipeline, address)
@@ -236,11 +236,11 @@ def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source:
     Data, and Ray Datasets are written as Parquet. (pipeline reading them, Dataset, plan)."""
     from raydp_train.locations import check_locations, warn_if_not_shared
     from raydp_train.preflight import check_pipeline
-    from raydp_train.ray_datasets import with_ray_datasets
+    from raydp_train.ray_datasets import require_rows, with_ray_datasets
     from raydp_train.resources import connect
 
     if datasets is None:  # a ray_dataset pipeline without its rows: refused before Ray starts
-        with_ray_datasets(pipeline, None, source)
+        require_rows(pipeline, source)
     check_locations(pipeline, source)
     check_loggers(pipeline, source)
     connect(address, pipeline.training, _cpus(pipeline), verbose)

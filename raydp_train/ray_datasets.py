@@ -13,6 +13,7 @@ only in a cache. Without "test", the test split is cut from the train rows (data
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 from raydp_train.config.pipeline import Pipeline, PipelineError
@@ -26,16 +27,13 @@ def with_ray_datasets(pipeline: Pipeline, datasets: dict | None,
     name: datasets for a pipeline that reads files, or a ray_dataset pipeline without them."""
     data = pipeline.data
     if datasets is None:
-        if data.source == "ray_dataset":
-            raise PipelineError(source, [
-                ("data.source: ray_dataset needs the rows: raydp_train.run(pipeline, datasets="
-                "{'train': ds, 'test': ds}); the command line reads files (parquet, csv, json)")])
+        require_rows(pipeline, source)
         return pipeline
     problems = _problems(data, datasets)
     if problems:
         raise PipelineError(source, problems)
     folder = (Path(pipeline.run.output_dir).resolve() / "datasets"
-              / f"{pipeline.name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6}")
+              / f"{pipeline.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
     update = {"source": "parquet"}
     for split, dataset in datasets.items():
         update[SPLITS[split]] = str(write_parquet(dataset, folder / f"{split}.parquet", split))
@@ -43,6 +41,14 @@ def with_ray_datasets(pipeline: Pipeline, datasets: dict | None,
 
     parquet = ParquetData.model_validate({**data.model_dump(), **update})
     return pipeline.model_copy(update={"data": parquet})
+
+
+def require_rows(pipeline: Pipeline, source: str = "<pipeline>") -> None:
+    """A ray_dataset pipeline without its datasets is refused: only run() / tune() get them."""
+    if pipeline.data.source == "ray_dataset":
+        raise PipelineError(source, [
+            ("data.source: ray_dataset needs the rows: raydp_train.run(pipeline, datasets="
+             "{'train': ds, 'test': ds}); the command line reads files (parquet, csv, json)")])
 
 
 def _problems(data, datasets: dict) -> list[str]:
