@@ -30,7 +30,7 @@ import yaml
 from raydp_train.budget_actor import actor_name
 from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.privacy.budget import NAMESPACE, replay
-from raydp_train.reports.budget import ledger_rows
+from raydp_train.privacy.ledger_reading import ledger_rows
 from raydp_train.sweeps import run_sweep
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -48,7 +48,7 @@ def open_budget(config) -> BudgetClient:
 
 def open_existing_budget(name: str, ledger: str) -> BudgetClient:
     """The accountant of a budget that already has a ledger, on the terms it was created with."""
-    from raydp_train.reports.budget import ledger_rows
+    from raydp_train.privacy.ledger_reading import ledger_rows
 
     first = ledger_rows(name, ledger)[0]
     terms = BudgetTerms(name, first["budget_epsilon"], first["budget_delta"], first["accountant"])

@@ -57,7 +57,8 @@ def _ledger_of(args) -> str:
 
 
 def budget_status(args) -> int:
-    from raydp_train.reports.budget import as_json, budget_status, status_text
+    from raydp_train.privacy.ledger_reading import budget_status
+    from raydp_train.reports.budget import as_json, status_text
 
     status = budget_status(args.name, _ledger_of(args))
     print(as_json(status) if args.json else status_text(status))
@@ -65,7 +66,8 @@ def budget_status(args) -> int:
 
 
 def budget_history(args) -> int:
-    from raydp_train.reports.budget import as_json, history_text, ledger_rows
+    from raydp_train.privacy.ledger_reading import ledger_rows
+    from raydp_train.reports.budget import as_json, history_text
 
     rows = ledger_rows(args.name, _ledger_of(args))
     print(as_json(rows) if args.json else history_text(rows))
@@ -73,7 +75,8 @@ def budget_history(args) -> int:
 
 
 def budget_verify(args) -> int:
-    from raydp_train.reports.budget import as_json, verify_ledger
+    from raydp_train.privacy.ledger_reading import verify_ledger
+    from raydp_train.reports.budget import as_json
 
     report = verify_ledger(args.name, _ledger_of(args))  # a damaged ledger: LedgerCorruptError
     print(as_json(report) if args.json else (
@@ -97,7 +100,8 @@ def budget_reset(args) -> int:
 
     from raydp_train.budget_actor import open_existing_budget
     from raydp_train.privacy.budget import BudgetError
-    from raydp_train.reports.budget import budget_status, status_text
+    from raydp_train.privacy.ledger_reading import budget_status
+    from raydp_train.reports.budget import status_text
     from raydp_train.resources import check_address
     from raydp_train.train.trainer import ensure_ray
 

@@ -43,6 +43,7 @@ from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.mechanism import MECHANISMS, mechanism_named
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
+from raydp_train.targets import ClassIds, label_kind
 from raydp_train.train.step import cross_entropy_loss, private_step
 from raydp_train.train.worker import make_optimizer
 
@@ -106,6 +107,9 @@ def check_auditable(pipeline, trials: int) -> None:
             f"{' and '.join(AUDITABLE_MODELS)}, got {pipeline.model.kind!r}; audit the same "
             "privacy settings (privacy.*, training.batch_size, training.epochs) with "
             "--set model.kind=logistic")
+    if not isinstance(label_kind(pipeline.data), ClassIds):
+        raise ModelError("data.label_kind: the audit's canary is a class-id row; audit the same "
+                         "privacy settings on class labels (the claim does not depend on them)")
     if isinstance(trials, bool) or int(trials) != trials or trials < 4:
         raise PlanError(f"--trials: need at least 4 runs with the canary (and as many without) "
                         f"to choose a threshold on half and count on the other half, got {trials}")

@@ -78,7 +78,7 @@ def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes:
     engine = make_mechanism(pipeline.privacy, torch.Generator()).attach(
         model, pipeline.privacy.clip_norm)
     try:
-        check_loss(pipeline.model, model, feature_shape, num_classes)
+        check_loss(pipeline, model, feature_shape, num_classes)
         check_engine(pipeline, model, engine, feature_shape, num_classes)
     finally:
         engine.close()
@@ -88,17 +88,21 @@ def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes:
     return model
 
 
-def check_loss(config, model: nn.Module, feature_shape: tuple[int, ...], num_classes: int) -> None:
+def check_loss(pipeline: Pipeline, model: nn.Module, feature_shape: tuple[int, ...],
+               num_classes: int) -> None:
     """A torch model's own `model.loss` gives one loss per example (else refused by name)."""
     import torch
 
-    from raydp_train.custom_models import classifier_loss
+    from raydp_train.custom_models import training_loss
+    from raydp_train.targets import label_kind
 
-    if getattr(config, "loss", None) is not None:
+    if getattr(pipeline.model, "loss", None) is not None:
         generator = torch.Generator().manual_seed(0)
         features = torch.randn(2, *feature_shape, generator=generator)
+        kind = label_kind(pipeline.data)
         with torch.no_grad():
-            classifier_loss(config)(model, features, torch.arange(2) % max(num_classes, 1))
+            training_loss(pipeline.model, kind)(
+                model, features, kind.example_labels(2, num_classes, generator))
 
 
 def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tuple[int, ...],
@@ -107,10 +111,11 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
     one backward pass per example, before any budget is reserved (privacy/self_check.py)."""
     import torch
 
-    from raydp_train.custom_models import classifier_loss
+    from raydp_train.custom_models import training_loss
     from raydp_train.hf_causal import causal_lm_loss
     from raydp_train.privacy.clipping import PerExampleClipper
     from raydp_train.privacy.self_check import SelfCheckError, compare_with_per_example
+    from raydp_train.targets import label_kind
     from raydp_train.train.step import AUTOCAST_DTYPES, in_precision
 
     settings = pipeline.privacy.self_check
@@ -126,10 +131,11 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
         features = torch.stack([ids * mask, mask], dim=1)
     else:
         features = torch.randn(count, *feature_shape, generator=generator)
-    labels = torch.randint(max(num_classes, 1), (count,), generator=generator)
+    kind = label_kind(pipeline.data)
+    labels = kind.example_labels(count, num_classes, generator)
     causal = getattr(pipeline.model, "task", None) == "causal_lm"
-    loss = causal_lm_loss(pipeline.model.loss_reduction) if causal else classifier_loss(
-        pipeline.model)
+    loss = causal_lm_loss(pipeline.model.loss_reduction) if causal else training_loss(
+        pipeline.model, kind)
     precision = pipeline.training.precision
     report = compare_with_per_example(engine, in_precision(loss, precision, "cpu"),
                                       (model, features, labels), count,

@@ -24,16 +24,26 @@ def progress_printer(epochs: int):
     return show
 
 
+# Held-out metrics as an epoch line shows them (those a row has, in this order).
+HELD_OUT = {"test_accuracy": ("test acc", ".4f"), "test_label_accuracy": ("test label acc", ".4f"),
+            "test_mse": ("test mse", ".4f"), "test_loss": ("test loss", ".4f"),
+            "test_perplexity": ("test ppl", ".2f")}
+# A run's baselines as its summary names them.
+BASELINES = {"chance": "chance", "test_majority_class": "the test split's majority class",
+             "test_majority_per_label": "each label's test majority (label accuracy)",
+             "test_mean_prediction_mse": "predicting the test mean (mse)"}
+
+
 def held_out_text(row: dict) -> str:
-    """A classifier's test accuracy, or a causal LM's held-out loss and perplexity."""
-    if "test_accuracy" in row:
-        return f"test acc {row['test_accuracy']:.4f}"
-    return f"test loss {row['test_loss']:.4f}  test ppl {row['test_perplexity']:.2f}"
+    """A row's held-out metrics: a classifier's test accuracy, a multi-label model's exact
+    and per-label accuracy, a regression's mse, a causal LM's loss and perplexity."""
+    return "  ".join(f"{shown} {row[column]:{spec}}" for column, (shown, spec) in HELD_OUT.items()
+                     if column in row)
 
 
 def baselines_text(baselines: dict) -> str:
-    return (f"chance {baselines['chance']:.4f}, the test split's majority class "
-            f"{baselines['test_majority_class']:.4f}")
+    return ", ".join(f"{BASELINES[key]} {value:.4f}" for key, value in baselines.items()
+                     if key in BASELINES)
 
 
 def print_summary(record: dict, path) -> None:
@@ -44,12 +54,15 @@ def print_summary(record: dict, path) -> None:
     delta = privacy["delta"]
     if record["metrics"]:
         last = record["metrics"][-1]
-        if "test_accuracy" in last:
-            print(f"\ntest accuracy           {last['test_accuracy']:.4f}")
-            print(f"  to beat               {baselines_text(record['baselines'])}")
-        else:
+        if "test_perplexity" in last:
             print(f"\ntest loss per token     {last['test_loss']:.4f}  (perplexity "
                   f"{last['test_perplexity']:.2f})")
+        else:
+            print()
+            for column in ("test_accuracy", "test_label_accuracy", "test_mse"):
+                if column in last:
+                    print(f"{column.replace('_', ' '):<23} {last[column]:.4f}")
+            print(f"  to beat               {baselines_text(record['baselines'])}")
         if "validation_accuracy" in last:
             print(f"validation accuracy     {last['validation_accuracy']:.4f}")
     training = record["training"]

@@ -4,9 +4,10 @@
 config/paths.py) or "package.module:function" (importable on the driver and every worker: an
 installed package, or the job's working directory). The function gets `model.kwargs`, plus
 `feature_shape` and `num_classes` where its signature takes them, and returns an nn.Module
-mapping [B, *feature_shape] to [B, num_classes] logits. `model.loss`, named the same way, is
-the per-example training loss (outputs, labels) -> [B] (default cross-entropy); each call is
-checked to give one loss per example. The clipping engine's checks apply as
+mapping [B, *feature_shape] to [B, num_classes] outputs (num_classes: the classes, or the
+width of `data.label_kind` real or multi_hot labels). `model.loss`, named the same way, is
+the per-example training loss (outputs, labels) -> [B] (default: the label kind's, e.g.
+cross-entropy); each call is checked to give one loss per example. The clipping engine's checks apply as
 to every model: an unsupported layer or a parameter used outside its module is refused by
 name, before anything is spent.
 """
@@ -59,19 +60,17 @@ def load_function(spec: str, field: str = "model.factory") -> Callable:
     return function
 
 
-def classifier_loss(config) -> Callable[[nn.Module, Tensor, Tensor], Tensor]:
-    """The training loss of a classifier: `model.loss` of a torch model, else cross-entropy.
-    Each call checks that the user's function gave one loss per example."""
-    from raydp_train.train.step import cross_entropy_loss
-
+def training_loss(config, kind) -> Callable[[nn.Module, Tensor, Tensor], Tensor]:
+    """The per-example training loss: `model.loss` of a torch model, else the label kind's
+    (targets.py: cross-entropy for class ids). Each call checks that the user's function gave
+    one loss per example."""
     spec = getattr(config, "loss", None)
-    if spec is None:
-        return cross_entropy_loss
-    function = load_function(spec, "model.loss")
+    function = kind.loss if spec is None else load_function(spec, "model.loss")
 
     def losses(model: nn.Module, features: Tensor, labels: Tensor) -> Tensor:
         values = function(model(features), labels)
-        if not isinstance(values, Tensor) or tuple(values.shape) != (labels.shape[0],):
+        if spec is not None and (not isinstance(values, Tensor)
+                                 or tuple(values.shape) != (labels.shape[0],)):
             shape = list(values.shape) if isinstance(values, Tensor) else type(values).__name__
             raise CustomModelError(
                 f"model.loss: {spec} must return one loss per example, shape [B], got {shape} "
@@ -113,7 +112,7 @@ def _imported(target: str, field: str):
 
 def _check_output(model: nn.Module, factory: str, feature_shape: tuple[int, ...],
                   num_classes: int) -> None:
-    """One forward pass on two zero examples: [2, num_classes] logits, or a clear refusal."""
+    """One forward pass on two zero examples: [2, num_classes] outputs, or a clear refusal."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
         with torch.no_grad():
@@ -126,4 +125,5 @@ def _check_output(model: nn.Module, factory: str, feature_shape: tuple[int, ...]
         shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise CustomModelError(f"model.factory: the model of {factory} must map [B, "
                                f"{', '.join(map(str, feature_shape))}] to [B, {num_classes}] "
-                               f"logits ({num_classes} classes), got {shape} for B=2")
+                               f"outputs ({num_classes}: the classes, or the labels' width), got "
+                               f"{shape} for B=2")

@@ -9,7 +9,6 @@ digits pixels are scaled by their fixed range.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import pyarrow.parquet as pq
 
 from raydp_train.data_columns import DataError, numeric_rows, one_line, text_labels
 from raydp_train.table_files import as_parquet
+from raydp_train.targets import label_kind
 
 
 @dataclass
@@ -46,13 +46,6 @@ class Dataset:
     def feature_shape(self) -> tuple[int, ...]:
         return tuple(self.train_features.shape[1:])
 
-    def accuracy_baselines(self) -> dict[str, float]:
-        """What a test accuracy must beat: chance (1/K) and always answering the test split's
-        most common class. The latter reads only the held-out test labels, which every epoch
-        scores without noise anyway; no training row is looked at, so it costs no privacy."""
-        return accuracy_baselines(np.bincount(np.asarray(self.test_labels),
-                                              minlength=self.num_classes))
-
     def rows(self, rank: int, world_size: int) -> Dataset:
         """Every split's rows r with r mod world_size = rank: one worker's share
         (ARCHITECTURE.md §2.10)."""
@@ -78,13 +71,6 @@ class Dataset:
         return dataclasses.replace(self, **tensors)
 
 
-def accuracy_baselines(test_label_counts) -> dict[str, float]:
-    """Chance (1/K) and the share of the test split's most common class, from its label
-    counts (K of them)."""
-    counts = [int(count) for count in test_label_counts]
-    return {"chance": 1 / len(counts), "test_majority_class": max(counts) / max(sum(counts), 1)}
-
-
 def load_data(config, num_classes: int | None = None, tokenizer: str | None = None,
               classes_field: str = "model.num_classes", tokenize: bool = True) -> Dataset:
     """Load `config` (a pipeline `data` section) and check the labels against `num_classes`
@@ -102,46 +88,17 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
     splits = [("training", labels), ("test", test_labels)]
     if validation is not None:
         splits.append(("validation", validation[1]))
-    classes = _classes(config, num_classes, classes_field, splits)
-    for name, values in splits:
-        if values.min() < 0 or values.max() >= classes:
-            raise DataError(
-                f"data: {name} labels must lie in [0, {classes - 1}] for {classes} classes "
-                f"({classes_field}), got values in [{values.min()}, {values.max()}]"
-            )
-    dataset = Dataset(_features(features), labels.astype(np.int64),
-                      _features(test_features), test_labels.astype(np.int64), classes,
+    kind = label_kind(config)
+    classes = kind.width(splits, num_classes, classes_field, config)
+    dataset = Dataset(_features(features), labels.astype(kind.dtype),
+                      _features(test_features), test_labels.astype(kind.dtype), classes,
                       features_read=tokenize or reader.numeric)
     if validation is not None:
         dataset.validation_features = _features(validation[0])
-        dataset.validation_labels = validation[1].astype(np.int64)
+        dataset.validation_labels = validation[1].astype(kind.dtype)
     elif config.validation is not None:
         _hold_out_validation(dataset, config.validation.fraction, config.random_state)
     return dataset
-
-
-def _classes(config, num_classes: int | None, classes_field: str, splits: list) -> int:
-    """K: `data.label_names`' length, the model's field, or 1 + the largest label, refusing
-    inferred classes that no example has (labels {1, 2} would make a 3-class model)."""
-    names = getattr(config, "label_names", None)
-    if names is not None:
-        if num_classes is not None and num_classes != len(names):
-            raise DataError(f"{classes_field}: {num_classes} classes, but data.label_names "
-                            f"names {len(names)}")
-        return len(names)
-    if num_classes is not None:
-        return num_classes
-    seen = set(np.unique(np.concatenate([values for _, values in splits])).tolist())
-    classes = max(int(max(seen)) + 1, 2)
-    # The first missing labels, found without building a range as large as the largest label.
-    never = list(itertools.islice((k for k in range(classes - 1) if k not in seen), 10))
-    if min(seen) >= 0 and never:
-        raise DataError(
-            f"data: labels take the values {sorted(seen)[:10]}, so {classes} classes would be "
-            f"inferred and {never[:10]} never occur: labels must be 0..K-1; relabel them, give "
-            f"data.label_names, or set {classes_field} if those classes are meant"
-        )
-    return classes
 
 
 def _features(values: np.ndarray) -> np.ndarray:

@@ -11,11 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydp_train.errors import UserError
-
-
-class DataError(UserError, ValueError):
-    """The data named by a pipeline cannot be used; the message names the field and file."""
+from raydp_train.errors import DataError
+from raydp_train.targets import label_kind
 
 
 def one_line(error: Exception) -> str:
@@ -91,20 +88,8 @@ def text_labels(source: pa.Table | pq.ParquetFile, rows: int, path: Path, config
 
 
 def labels_of(column: pa.ChunkedArray, path: Path, config) -> np.ndarray:
-    """Integer labels, or strings mapped to 0..K-1 by their place in `data.label_names`."""
-    name, names = config.label_column, config.label_names
-    if names is not None and _is_string(column.type):
-        index = {label: i for i, label in enumerate(names)}
-        unknown = sorted(set(column.to_pylist()) - set(index))
-        if unknown:
-            raise DataError(f"data.label_names: labels {unknown[:5]} in column '{name}' of "
-                            f"{path} are not among {names}")
-        return np.array([index[label] for label in column.to_pylist()], dtype=np.int64)
-    if not pa.types.is_integer(column.type):
-        strings = " (or give data.label_names)" if _is_string(column.type) else ""
-        raise DataError(f"data.label_column: column '{name}' in {path} is {column.type}, "
-                        f"expected integers{strings}")
-    return _numeric(column, path, name).astype(np.int64)
+    """The labels of `column`, read and checked as `data.label_kind` says (targets.py)."""
+    return label_kind(config).read(column, path, config)
 
 
 def _tensor_column(column: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:
@@ -119,8 +104,3 @@ def _tensor_column(column: pa.ChunkedArray, path: Path, name: str) -> np.ndarray
     if tensors.ndim < 2:
         raise DataError(f"{problem}, got {column.type}")
     return tensors
-
-
-def _is_string(kind: pa.DataType) -> bool:
-    """Arrow's string, or the large_string pandas writes."""
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind)

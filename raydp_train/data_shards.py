@@ -100,12 +100,15 @@ class ShardEveryRow(DataConfig):
         return shards
 
 
-def materialize(shard, feature_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """A worker's whole shard (a Ray Data iterator) as (features, labels) arrays."""
+def materialize(shard, feature_shape: tuple[int, ...],
+                labels_as: tuple = (np.int64, ())) -> tuple[np.ndarray, np.ndarray]:
+    """A worker's whole shard (a Ray Data iterator) as (features, labels) arrays; the labels
+    of `labels_as`'s (dtype, one row's shape): targets.LabelKind.label_array."""
+    dtype, label_shape = labels_as
     features, labels = [], []
     for batch in shard.iter_batches(batch_size=BATCH_ROWS, batch_format="numpy"):
         features.append(batch["features"])
         labels.append(batch["label"])
     if not labels:  # more workers than blocks: an empty shard still takes its steps
-        return np.empty((0, *feature_shape), np.float32), np.empty(0, np.int64)
-    return np.concatenate(features), np.concatenate(labels).astype(np.int64)
+        return np.empty((0, *feature_shape), np.float32), np.empty((0, *label_shape), dtype)
+    return np.concatenate(features), np.concatenate(labels).astype(dtype)

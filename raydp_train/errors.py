@@ -13,3 +13,7 @@ A leaf module: it imports nothing, so every layer may import it (`privacy/` incl
 
 class UserError(Exception):
     """Bad input from the user: the CLI prints its message on one line and exits 2."""
+
+
+class DataError(UserError, ValueError):
+    """The data named by a pipeline cannot be used; the message names the field and file."""

@@ -28,8 +28,14 @@ class PredictError(UserError, ValueError):
 
 @dataclass
 class Predictions:
-    classes: np.ndarray  # [N] the predicted class of each row
-    accuracy: float | None  # against the file's labels, None if it has none
+    # [N] the predicted class of each row; [N, K] values (label_kind real) or 0/1 per label
+    # (multi_hot)
+    classes: np.ndarray
+    metrics: dict[str, float]  # against the file's labels ({} if it has none): accuracy, mse
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.metrics.get("accuracy")
 
 
 def add_predict_command(commands, parents: list) -> None:
@@ -46,14 +52,14 @@ def add_predict_command(commands, parents: list) -> None:
 def predict_command(args: argparse.Namespace) -> int:
     result = predict(Path(args.run_dir), Path(args.data))
     print(f"{len(result.classes)} rows predicted")
-    if result.accuracy is not None:
-        print(f"accuracy                {result.accuracy:.4f}")
+    for name, value in result.metrics.items():
+        print(f"{name:<23} {value:.4f}")
     if args.output:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         pq.write_table(pa.table({"row": np.arange(len(result.classes)),
-                                 "prediction": result.classes}), args.output)
+                                 "prediction": _column(result.classes)}), args.output)
         print(f"wrote {args.output}")
     return 0
 
@@ -62,16 +68,27 @@ def predict(run_dir: Path, data: Path) -> Predictions:
     """The run's model on every row of `data`, in batches, in this process."""
     import torch
 
+    from raydp_train.targets import ClassIds, label_kind
+
     pipeline = _pipeline(run_dir)
     model = _released_model(Path(run_dir), pipeline)
-    dataset, labelled = _read(pipeline, data)
+    kind = label_kind(pipeline.data)
+    # A regression or multi-label model's width, as recorded (class ids: read from the file).
+    width = None if isinstance(kind, ClassIds) else _recorded(run_dir)["num_classes"]
+    dataset, labelled = _read(pipeline, data, width)
     dataset = dataset.to_torch()
     with torch.no_grad():
-        classes = torch.cat([model(batch).argmax(-1)
-                             for batch in dataset.test_features.split(256)]).numpy()
-    labels = dataset.test_labels.numpy()
-    accuracy = float(np.mean(classes == labels)) if labelled and len(labels) else None
-    return Predictions(classes, accuracy)
+        outputs = torch.cat([model(batch) for batch in dataset.test_features.split(256)])
+    labels = dataset.test_labels
+    scored = labelled and len(labels) > 0
+    metrics = kind.metrics(kind.score(outputs, labels), "test") if scored else {}
+    return Predictions(kind.predict(outputs).numpy(),
+                       {name.removeprefix("test_"): value for name, value in metrics.items()})
+
+
+def _column(predicted: np.ndarray):
+    """Classes as they are; a row of values or 0/1 per label as a list."""
+    return predicted if predicted.ndim == 1 else list(predicted)
 
 
 def load_model(run_dir: str | Path):
@@ -131,7 +148,7 @@ def _recorded(run_dir: Path) -> dict:
     return shape
 
 
-def _read(pipeline, data: Path):
+def _read(pipeline, data: Path, width: int | None):
     """`data` read and checked as the run read its test file (columns, normalization, label
     names, tokenization), and whether it has labels."""
     from raydp_train.config.pipeline import pipeline_from_dict
@@ -149,13 +166,13 @@ def _read(pipeline, data: Path):
         data = parquet_copy(data, kind, "--data")
     labelled = _has_labels(pipeline, data)
     with tempfile.TemporaryDirectory() as scratch:
-        source = data if labelled else _unlabeled_copy(pipeline, data, Path(scratch))
+        source = data if labelled else _unlabeled_copy(pipeline, data, Path(scratch), width)
         raw = pipeline.model_dump(mode="json")
         raw["data"].update(source="parquet", path=str(source), test_path=str(source),
                            validation=None)
         raw["tune"] = None  # a sweep's metric needs the validation split dropped here
         reading = pipeline_from_dict(raw, source=str(data))
-        return load_data(reading.data, reading.model.num_classes,
+        return load_data(reading.data, width or reading.model.num_classes,
                          tokenizer_source(reading.model)), labelled
 
 
@@ -169,9 +186,9 @@ def _has_labels(pipeline, data: Path) -> bool:
     return pipeline.data.label_column in names
 
 
-def _unlabeled_copy(pipeline, data: Path, scratch: Path) -> Path:
-    """A copy of `data` (no label column) in `scratch` with placeholder labels: the loader
-    checks labels, predictions ignore them."""
+def _unlabeled_copy(pipeline, data: Path, scratch: Path, width: int | None) -> Path:
+    """A copy of `data` (no label column) in `scratch` with placeholder labels (class 0, or
+    `width` zeros): the loader checks labels, predictions ignore them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -179,6 +196,8 @@ def _unlabeled_copy(pipeline, data: Path, scratch: Path) -> Path:
     names = pipeline.data.label_names
     placeholder = pa.array([names[0]] * table.num_rows) if names else pa.array(
         np.zeros(table.num_rows, np.int64))
+    if width is not None:
+        placeholder = pa.array([[0.0] * width] * table.num_rows)
     copy = scratch / data.name
     pq.write_table(table.append_column(pipeline.data.label_column, placeholder), copy)
     return copy

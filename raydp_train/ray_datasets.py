@@ -8,6 +8,8 @@ becomes `source: parquet` on those files. So the rows then go through the same c
 columns, sharding (Ray Data shards of the file) and records as any Parquet split, the saved
 pipeline.yaml names files that `predict` and a resumed run read again, and nothing is kept
 only in a cache. Without "test", the test split is cut from the train rows (data.train_fraction).
+A "validation" dataset becomes `data.validation.path`; `data.validation` still says how its
+metric is released (private, noise_multiplier).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from raydp_train.config.pipeline import Pipeline, PipelineError
 
-SPLITS = {"train": "path", "test": "test_path"}  # a dataset's name -> the data field it fills
+# A dataset's name -> the data field it fills.
+SPLITS = {"train": "path", "test": "test_path", "validation": "validation.path"}
 
 
 def with_ray_datasets(pipeline: Pipeline, datasets: dict | None,
@@ -34,12 +37,16 @@ def with_ray_datasets(pipeline: Pipeline, datasets: dict | None,
         raise PipelineError(source, problems)
     folder = (Path(pipeline.run.output_dir).resolve() / "datasets"
               / f"{pipeline.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
-    update = {"source": "parquet"}
+    fields = {**data.model_dump(), "source": "parquet"}
     for split, dataset in datasets.items():
-        update[SPLITS[split]] = str(write_parquet(dataset, folder / f"{split}.parquet", split))
+        written = str(write_parquet(dataset, folder / f"{split}.parquet", split))
+        if split == "validation":
+            fields["validation"] = {**fields["validation"], "path": written}
+        else:
+            fields[SPLITS[split]] = written
     from raydp_train.config.data_model import ParquetData
 
-    parquet = ParquetData.model_validate({**data.model_dump(), **update})
+    parquet = ParquetData.model_validate(fields)
     return pipeline.model_copy(update={"data": parquet})
 
 
@@ -59,14 +66,32 @@ def _problems(data, datasets: dict) -> list[str]:
         return ["datasets: needs 'train' (and 'test', or data.train_fraction cuts one)"]
     unknown = sorted(set(datasets) - set(SPLITS))
     if unknown:
-        return [(f"datasets: {', '.join(map(repr, unknown))} is not a split; pass 'train' and "
-                "'test' (a validation split: data.validation.fraction)")]
+        return [(f"datasets: {', '.join(map(repr, unknown))} is not a split; pass 'train', "
+                "'test' and 'validation'")]
+    problem = _validation_problem(data.validation, "validation" in datasets)
+    if problem:
+        return [problem]
     import ray.data
 
     wrong = [name for name, dataset in datasets.items()
              if not isinstance(dataset, ray.data.Dataset)]
     return [f"datasets[{name!r}]: must be a ray.data.Dataset, got "
             f"{type(datasets[name]).__name__}" for name in wrong]
+
+
+def _validation_problem(validation, given: bool) -> str | None:
+    """datasets["validation"] and data.validation agree: one source of its rows, and the
+    section that says how its metric is released."""
+    if given and validation is None:
+        return ("datasets['validation']: set data.validation (private, noise_multiplier) to "
+                "say how its metric is released")
+    if given and validation.fraction is not None:
+        return ("datasets['validation']: data.validation.fraction cuts a validation split "
+                "from the train rows too; give one of them")
+    if not given and validation is not None and validation.fraction is None:
+        return ("data.validation: its rows are missing: pass datasets['validation'], or set "
+                "data.validation.fraction")
+    return None
 
 
 def write_parquet(dataset, path: Path, split: str) -> Path:

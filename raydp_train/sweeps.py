@@ -290,7 +290,7 @@ def first_refusal(pipeline: Pipeline, plan) -> str:
     """Why the budget, as its ledger has it now, cannot pay the sweep's first (costliest)
     trial, or the random-stopping sweep's one reservation; "" when it can. Trials still
     reserve for themselves: this only spares a spent budget a sweep that cannot train."""
-    from raydp_train.reports.budget import book_of
+    from raydp_train.privacy.ledger_reading import book_of
 
     first = (random_stopping_spend(pipeline, plan) if pipeline.tune.selection == "random_stopping"
              else trials_spend(pipeline, plan, 1))

@@ -79,7 +79,7 @@ def sweep_spending(pipeline: Pipeline, plan: PrivacyPlan) -> tuple[Spend, float,
 def spending(pipeline: Pipeline, plan: PrivacyPlan) -> dict:
     """What validate says besides the plan, as values: the whole sweep's epsilon (None without
     `tune`), the budget's epsilon left and whether it can pay all of it (None without one)."""
-    from raydp_train.reports.budget import book_of
+    from raydp_train.privacy.ledger_reading import book_of
 
     whole = plan.spend(plan.steps, plan.epochs * plan.releases_per_epoch)
     sweep_epsilon = None
@@ -94,7 +94,7 @@ def spending(pipeline: Pipeline, plan: PrivacyPlan) -> dict:
 
 
 def _print_budget(pipeline: Pipeline) -> BudgetBook:
-    from raydp_train.reports.budget import book_of
+    from raydp_train.privacy.ledger_reading import book_of
 
     budget = pipeline.budget
     book = book_of(budget)

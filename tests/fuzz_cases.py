@@ -208,7 +208,7 @@ def run_training(case: Case) -> Outcome:
 def _charged_or_kept(case: Case) -> str:
     """A refused run must reserve nothing and keep no run directory."""
     from raydp_train.privacy.ledger import LedgerError
-    from raydp_train.reports.budget import ledger_rows
+    from raydp_train.privacy.ledger_reading import ledger_rows
 
     raw = yaml.safe_load(case.pipeline.read_text())
     name = ((raw.get("budget") or {}) if isinstance(raw, dict) else {}).get("name")

@@ -47,6 +47,18 @@ def naive_clipped_sum(model, example_losses, inputs, labels, clip_norm=None, par
                                           use_backward), clip_norm)
 
 
+def assert_engine_is_the_per_example_loop(model, example_losses, inputs, labels, clip_norm):
+    """PerExampleClipper's clipped sum and norms equal naive_clipped_sum's (relative 1e-9:
+    run it in float64)."""
+    expected, norms, _ = naive_clipped_sum(model, example_losses, inputs, labels, clip_norm)
+    clipper = PerExampleClipper(model, clip_norm)
+    stats = clipper.accumulate(example_losses, model, inputs, labels)
+    got = engine_sum_in_parameter_order(model, clipper)
+    clipper.close()
+    assert torch.max(torch.abs(got - expected)) / torch.max(torch.abs(expected)) < 1e-9
+    torch.testing.assert_close(stats.norms, norms, rtol=1e-9, atol=0)
+
+
 def engine_sum_in_parameter_order(model, clipper) -> torch.Tensor:
     """The engine's clipped sum, read from each parameter's .grad in model.parameters() order."""
     by_param = {id(p): p.grad.flatten() for p in clipper.parameters}

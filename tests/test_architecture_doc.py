@@ -2,8 +2,9 @@
 repository names a section that exists, no citation of the old out-of-repository design
 document is left, the module map names exactly the modules of raydp_train/, the privacy
 math keeps the rule the map states (no Ray, no YAML, no pipeline schema), and the layout
-stays readable: no import cycle among the package's modules, no module over 400 lines, no
-stop reason matched by its text."""
+stays readable: no import cycle among the package's modules, no import from a layer up to a
+higher one (the order the map states), no module over 400 lines, no stop reason matched by
+its text."""
 
 import ast
 import os
@@ -157,6 +158,55 @@ def test_the_module_map_names_exactly_the_package_modules():
     mapped, modules = mapped_modules(DOC.read_text()), package_modules(PACKAGE)
     assert not modules - mapped, f"modules missing from the map: {sorted(modules - mapped)}"
     assert not mapped - modules, f"the map names modules that are gone: {sorted(mapped - modules)}"
+
+
+LAYER_LINE = re.compile(r"^(\d+)\. [\w ]+: (.+)$", re.MULTILINE)
+
+
+def layers(doc: str) -> dict[str, int]:
+    """Module pattern -> its layer (1 = lowest), from the map's numbered layer list."""
+    return {pattern: int(number) for number, names in LAYER_LINE.findall(module_map(doc))
+            for pattern in re.findall(r"`([\w/*]+)`", names)}
+
+
+def layer_of(module: str, order: dict[str, int]) -> int | None:
+    """`raydp_train.train.worker` is `train/worker`, in the layer of `train/*`."""
+    path = "raydp_train" if module == "raydp_train" else module.removeprefix(
+        "raydp_train.").replace(".", "/")
+    folder = path.rpartition("/")[0]
+    # A folder's __init__ is in the folder's layer.
+    return order.get(path, order.get(f"{folder}/*" if folder else f"{path}/*"))
+
+
+def upward_imports(graph: dict[str, set[str]], order: dict[str, int]) -> list[str]:
+    """Imports from a lower layer up to a higher one, and modules no layer names."""
+    unplaced = [f"{module}: in no layer" for module in sorted(graph)
+                if layer_of(module, order) is None]
+    upward = [f"{module} (layer {layer_of(module, order)}) imports {other} (layer "
+              f"{layer_of(other, order)})" for module in sorted(graph) for other in
+              sorted(graph[module]) if None not in (layer_of(module, order),
+                                                    layer_of(other, order))
+              and layer_of(other, order) > layer_of(module, order)]
+    return unplaced + upward
+
+
+def test_no_module_imports_up_from_a_lower_layer():
+    problems = upward_imports(import_graph(PACKAGE), layers(DOC.read_text()))
+    assert not problems, f"against the layer order of ARCHITECTURE.md §3: {problems}"
+
+
+def test_an_upward_import_and_an_unplaced_module_are_caught():
+    doc = ("## 3. Module map\n1. base: `errors`\n2. math: `privacy/*`\n"
+           "3. top: `cli`, `api`\n## 4. Next\n")
+    order = layers(doc)
+    assert order == {"errors": 1, "privacy/*": 2, "cli": 3, "api": 3}
+    graph = {"raydp_train.errors": {"raydp_train.privacy.noise"},
+             "raydp_train.privacy.noise": {"raydp_train.errors"},
+             "raydp_train.cli": {"raydp_train.api", "raydp_train.privacy.noise"},
+             "raydp_train.api": set(), "raydp_train.new": set(), "raydp_train.privacy": set()}
+    assert upward_imports(graph, order) == [
+        "raydp_train.new: in no layer",
+        "raydp_train.errors (layer 1) imports raydp_train.privacy.noise (layer 2)"]
 
 
 def test_the_privacy_math_imports_no_ray_yaml_or_schema():

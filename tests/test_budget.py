@@ -241,7 +241,7 @@ def test_ledger_rows_use_the_parquet_schema(tmp_path):
 
 def test_the_ledger_records_the_mechanism_and_old_ledgers_replay(tmp_path):
     from raydp_train.privacy.budget import replay
-    from raydp_train.reports.budget import ledger_rows
+    from raydp_train.privacy.ledger_reading import ledger_rows
 
     budget = _accountant(tmp_path, epsilon=100.0)
     assert budget.reserve("a", "lsg-run", Spend(0.02, 1.2, 200, mechanism="lsg")).granted

@@ -16,7 +16,7 @@ from budget_writer import fits_alone
 from ray_head import BIN, isolated_env, stop_marked
 
 from raydp_train.privacy.budget import Spend, replay
-from raydp_train.reports.budget import budget_status, ledger_rows
+from raydp_train.privacy.ledger_reading import budget_status, ledger_rows
 
 ROOT = Path(__file__).parents[1]
 WRITER = Path(__file__).parent / "budget_writer.py"

@@ -15,7 +15,7 @@ from raydp_train.config.sweep import BudgetConfig
 from raydp_train.models import build_model
 from raydp_train.privacy.budget import NAMESPACE, Spend
 from raydp_train.privacy.ledger import as_uri
-from raydp_train.reports.budget import ledger_rows
+from raydp_train.privacy.ledger_reading import ledger_rows
 
 SPEND = Spend(0.02, 1.0, 50)
 

@@ -162,10 +162,11 @@ def test_text_without_a_label_column_gets_placeholder_labels(tmp_path):
 def test_a_causal_lm_reports_loss_and_perplexity_instead_of_accuracy():
     from raydp_train.console import held_out_text
     from raydp_train.reports.run import metrics_table
+    from raydp_train.targets import LABEL_KINDS
     from raydp_train.train.worker import held_out_metrics
 
-    assert held_out_metrics(False, (3.0, 4.0)) == {"test_accuracy": 0.75}
-    row = held_out_metrics(True, (6.0, 3.0))
+    assert held_out_metrics(LABEL_KINDS["class"], [3.0, 4.0]) == {"test_accuracy": 0.75}
+    row = held_out_metrics(None, [6.0, 3.0])
     assert row == {"test_loss": 2.0, "test_perplexity": pytest.approx(7.389056, rel=1e-6)}
     assert held_out_text(row) == "test loss 2.0000  test ppl 7.39"
     table = metrics_table({"metrics": [{"epoch": 1, "steps": 2, "steps_charged": 2,

@@ -14,7 +14,7 @@ import pytest
 from ray_head import BIN, marked_processes, start_head, stop_head
 
 from raydp_train.privacy.ledger import as_uri
-from raydp_train.reports.budget import budget_status
+from raydp_train.privacy.ledger_reading import budget_status
 
 ROOT = Path(__file__).parents[1]
 WALKTHROUGH_MARKER = "<!-- cluster walkthrough: tests/test_cluster.py runs these lines -->"

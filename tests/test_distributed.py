@@ -5,11 +5,14 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import faults
 import pytest
+import ray
 import torch
 from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
+from faults import FailOnce
 
 from raydp_train.cli import main
 from raydp_train.config.pipeline import pipeline_from_dict
@@ -21,6 +24,7 @@ from raydp_train.train.charges import planned_charges
 from raydp_train.train.step import cross_entropy_loss
 from raydp_train.train.trainer import fit
 
+ray.cloudpickle.register_pickle_by_value(faults)  # the workers cannot import the tests folder
 QUICKSTART = str(Path(__file__).parents[1] / "pipelines" / "quickstart.yaml")
 
 
@@ -93,7 +97,7 @@ def test_worker_failure_resumes_and_counts_every_step_run(ray_session, tmp_path)
     pipeline = small_pipeline(2, epochs=3)  # epochs end at steps 10, 20, 30 (q = 0.1)
     plan = make_plan(pipeline, 640)
     rows = []
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=rows.append, fail_at_step=15)
+    result = fit(pipeline, plan, tmp_path / "run", on_epoch=rows.append, after_step=FailOnce(15))
     assert (tmp_path / "run" / ".injected_failure").exists()  # it did fail once
     assert result.steps_done == 30
     # Epoch 2 was charged before it ran, released steps 10-14, and rank 1 failed; after the
@@ -114,7 +118,7 @@ def test_a_restart_never_takes_a_calibrated_run_past_its_target_epsilon(ray_sess
                                                        "delta": 1e-5}})
     plan = make_plan(pipeline, 640)
     assert plan.noise_calibrated and plan.epsilon(30) <= 2.0 < plan.epsilon(35)
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, fail_at_step=15)
+    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15))
     assert result.stop_reason.startswith("target epsilon reached")
     assert result.steps_done == 20 and result.steps_charged in released_or_one_more(25)
     assert plan.epsilon(result.steps_charged) <= 2.0
@@ -129,7 +133,7 @@ def test_a_restart_never_takes_a_random_stopping_trial_past_its_reservation(ray_
     after the second."""
     pipeline = small_pipeline(2, epochs=3)
     plan = make_plan(pipeline, 640)
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, fail_at_step=15,
+    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15),
                  ceiling=planned_charges(plan))
     assert result.stop_reason.startswith("reservation used up")
     assert result.steps_done == 20 and result.steps_charged in released_or_one_more(25)
@@ -172,7 +176,7 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(ray_session, tmp_path)
                                    "run": {"seed": 11, "max_failures": 0}})
     plan = make_plan(pipeline, 640)
     with pytest.raises(TrainingFailedError):
-        fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, fail_at_step=15)
+        fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15))
     result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
     assert result.steps_done == 30 and result.steps_charged in released_or_one_more(35)
     assert [r["epoch"] for r in result.metrics] == [1, 2, 3]

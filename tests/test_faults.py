@@ -16,7 +16,7 @@ from interrupted import ctrl_c_after
 from raydp_train.budget_actor import actor_name
 from raydp_train.cli import main
 from raydp_train.privacy.budget import NAMESPACE
-from raydp_train.reports.budget import budget_status, ledger_rows
+from raydp_train.privacy.ledger_reading import budget_status, ledger_rows
 from raydp_train.train.charges import ChargeLedger
 from raydp_train.train.context import newest_checkpoint
 

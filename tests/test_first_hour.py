@@ -17,7 +17,7 @@ from interrupted import ctrl_c_after
 from raydp_train.cli import main
 from raydp_train.config.sweep import default_ledger
 from raydp_train.hf_files import resolve_name_or_path
-from raydp_train.reports.budget import budget_status
+from raydp_train.privacy.ledger_reading import budget_status
 
 pd = pytest.importorskip("pandas", reason="the user's own tool for their table")
 transformers = pytest.importorskip("transformers", reason="a runtime dependency")

@@ -12,9 +12,10 @@ from raydp_train.hf import build_hf_model
 from raydp_train.hf_prefix import FrozenPrefix, PrefixCacheError, cached_prefix_loss
 from raydp_train.plan import make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.targets import LABEL_KINDS
 from raydp_train.train.context import LocalContext
 from raydp_train.train.step import cross_entropy_loss
-from raydp_train.train.worker import accuracy, correct_count, train
+from raydp_train.train.worker import accuracy, held_out_sums, train
 
 pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 DROPOUT = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}  # BERT, RoBERTa
@@ -133,5 +134,8 @@ def test_scoring_from_the_cached_prefix_predicts_what_the_whole_model_predicts(t
     hidden = prefix.outputs(model, tokens)
     assert accuracy(model, tokens, own_predictions) == 1.0
     rows = len(own_predictions)
-    assert correct_count(model, (tokens, hidden), own_predictions, prefix) == (rows, rows)
-    assert correct_count(model, (tokens, hidden.flip(0)), own_predictions, prefix)[0] < rows
+    classes = LABEL_KINDS["class"]
+    assert held_out_sums(model, (tokens, hidden), own_predictions, classes, prefix) == [rows,
+                                                                                       rows]
+    assert held_out_sums(model, (tokens, hidden.flip(0)), own_predictions, classes,
+                         prefix)[0] < rows

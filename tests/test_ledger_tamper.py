@@ -11,7 +11,7 @@ from raydp_train.cli import main
 from raydp_train.privacy.budget import BudgetTerms, Spend
 from raydp_train.privacy.budget_accountant import BudgetAccountant
 from raydp_train.privacy.ledger import LEDGER_SCHEMA, UNCHAINED_SCHEMA, LedgerCorruptError
-from raydp_train.reports.budget import budget_status, verify_ledger
+from raydp_train.privacy.ledger_reading import budget_status, verify_ledger
 
 TERMS = BudgetTerms("b", 20.0, 1e-5)
 SPEND = Spend(0.02, 1.0, 200)

@@ -17,7 +17,7 @@ from raydp_train.privacy.ledger import (
     LedgerError,
     check_ledger_location,
 )
-from raydp_train.reports.budget import budget_status, ledger_rows
+from raydp_train.privacy.ledger_reading import budget_status, ledger_rows
 
 SPEND = Spend(0.02, 1.0, 200)  # about 10 fit: few decisions, each one a real race
 

@@ -18,7 +18,7 @@ from raydp_train.locations import (
     job_working_dir_copy,
 )
 from raydp_train.privacy.ledger import LedgerError, as_uri
-from raydp_train.reports.budget import budget_status
+from raydp_train.privacy.ledger_reading import budget_status
 
 QUICKSTART = str(Path(__file__).parents[1] / "pipelines" / "quickstart.yaml")
 

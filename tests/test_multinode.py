@@ -14,7 +14,7 @@ import yaml
 from cluster_nodes import BIN, namespace_pids, start_cluster, unavailable
 
 from raydp_train.privacy.budget import BudgetError
-from raydp_train.reports.budget import ledger_rows
+from raydp_train.privacy.ledger_reading import ledger_rows
 from raydp_train.train.context import PROGRESS_FILE, newest_checkpoint
 
 pytestmark = pytest.mark.cluster

@@ -33,19 +33,24 @@ def pipeline_dict(tmp_path, data: dict) -> dict:
 def test_ray_datasets_train_as_the_same_rows_in_parquet(ray_session, tmp_path):
     import ray.data
 
-    train, test = rows(400, 1), rows(100, 2)
-    pq.write_table(train, tmp_path / "train.parquet")
-    pq.write_table(test, tmp_path / "test.parquet")
+    train, test, dev = rows(400, 1), rows(100, 2), rows(60, 3)
+    for name, table in (("train", train), ("test", test), ("dev", dev)):
+        pq.write_table(table, tmp_path / f"{name}.parquet")
     from_files = rt.run(rt.Pipeline.from_dict(pipeline_dict(tmp_path, {
         "source": "parquet", "path": str(tmp_path / "train.parquet"),
-        "test_path": str(tmp_path / "test.parquet")})), on_line=None, on_epoch=None)
+        "test_path": str(tmp_path / "test.parquet"),
+        "validation": {"path": str(tmp_path / "dev.parquet"), "private": False}})),
+        on_line=None, on_epoch=None)
     datasets = {"train": ray.data.from_arrow(train).repartition(3),
-                "test": ray.data.from_arrow(test)}
+                "test": ray.data.from_arrow(test), "validation": ray.data.from_arrow(dev)}
     assert datasets["train"].materialize().num_blocks() == 3
-    handed = rt.run(rt.Pipeline.from_dict(pipeline_dict(tmp_path, {"source": "ray_dataset"})),
-                    datasets=datasets, on_line=None, on_epoch=None)
+    handed = rt.run(rt.Pipeline.from_dict(pipeline_dict(tmp_path, {
+        "source": "ray_dataset", "validation": {"private": False}})),
+        datasets=datasets, on_line=None, on_epoch=None)
     assert handed.status == from_files.status == "completed"
     assert handed.metrics[-1]["test_accuracy"] == from_files.metrics[-1]["test_accuracy"]
+    assert [row["validation_accuracy"] for row in handed.metrics] == [
+        row["validation_accuracy"] for row in from_files.metrics]
     assert [row["train_loss"] for row in handed.metrics] == pytest.approx(
         [row["train_loss"] for row in from_files.metrics], rel=1e-9)
     assert handed.epsilon == from_files.epsilon
@@ -53,6 +58,7 @@ def test_ray_datasets_train_as_the_same_rows_in_parquet(ray_session, tmp_path):
     assert saved["source"] == "parquet"  # files that predict and a resumed run read again
     assert pq.read_table(saved["path"]).equals(train)
     assert pq.read_table(saved["test_path"]).equals(test)
+    assert pq.read_table(saved["validation"]["path"]).equals(dev)
 
 
 def test_a_ray_dataset_pipeline_without_its_rows_is_refused_by_name(tmp_path, capsys,
@@ -89,3 +95,31 @@ def test_datasets_that_do_not_fit_the_pipeline_are_refused_by_name(tmp_path, sou
     with pytest.raises(rt.UserError, match=message.replace("[", r"\[").replace("]", r"\]")
                        .replace("(", r"\(").replace(")", r"\)")):
         with_ray_datasets(pipeline, datasets)
+
+
+@pytest.mark.parametrize("validation, given, message", [
+    (None, True, "datasets['validation']: set data.validation (private, noise_multiplier)"),
+    ({"private": False}, False, "data.validation: its rows are missing"),
+    ({"fraction": 0.2, "private": False}, True, "data.validation.fraction cuts a validation"),
+])
+def test_a_validation_dataset_and_the_validation_section_must_agree(tmp_path, validation, given,
+                                                                    message):
+    data = {"source": "ray_dataset", **({"validation": validation} if validation else {})}
+    pipeline = rt.Pipeline.from_dict(pipeline_dict(tmp_path, data))
+    datasets = {"train": "rows", **({"validation": "rows"} if given else {})}
+    with pytest.raises(rt.UserError, match=message.replace("[", r"\[").replace("]", r"\]")
+                       .replace("(", r"\(").replace(")", r"\)")):
+        with_ray_datasets(pipeline, datasets)
+
+
+def test_a_file_sources_validation_still_names_its_rows(tmp_path):
+    raw = pipeline_dict(tmp_path, {"source": "parquet", "path": str(tmp_path / "t.parquet"),
+                                   "validation": {"private": False}})
+    with pytest.raises(rt.UserError, match=r"data.validation.fraction: set exactly one of "
+                                           r"fraction or path \(got neither\)"):
+        rt.Pipeline.from_dict(raw)
+    raw["data"] = {"source": "ray_dataset", "feature_columns": ["a"],
+                   "validation": {"path": "dev.parquet"}}
+    with pytest.raises(rt.UserError, match="data.validation.path: not read with source "
+                                           "ray_dataset"):
+        rt.Pipeline.from_dict(raw)

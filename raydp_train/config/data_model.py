@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from raydp_train.config.base import Section, Seed, exactly_one
+from raydp_train.config.base import Section, Seed
 from raydp_train.config.errors import FieldProblem
 
 # --- data -------------------------------------------------------------------------------------
@@ -21,7 +21,9 @@ class ValidationSplit(Section):
     """Rows held out of the training set to select hyperparameters on (ARCHITECTURE.md §2.5)."""
 
     fraction: float | None = Field(None, gt=0, lt=1)  # of the training rows, not trained on
-    path: str | None = Field(None, min_length=1)  # OR a file of its own (a file source)
+    # OR a file of its own (a file source); with source ray_dataset neither: the rows are
+    # datasets["validation"]
+    path: str | None = Field(None, min_length=1)
     private: bool = True  # false only if these rows may be published as they are
     # Gaussian noise (std, in examples) on the released count of correct predictions; each
     # release is charged to the privacy account. Required to select on private rows.
@@ -29,8 +31,17 @@ class ValidationSplit(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> ValidationSplit:
-        exactly_one(self, "fraction", "path", "fraction")
+        if self.fraction is not None and self.path is not None:
+            raise FieldProblem("set exactly one of fraction or path (got both)", "fraction")
         return self
+
+
+def _validation_rows_named(section) -> None:
+    """A validation split says where its rows come from (a Ray Dataset's need not)."""
+    validation = section.validation
+    if validation is not None and validation.fraction is None and validation.path is None:
+        raise FieldProblem("set exactly one of fraction or path (got neither)",
+                           "validation.fraction")
 
 
 class SyntheticData(Section):
@@ -46,6 +57,7 @@ class SyntheticData(Section):
 
     @model_validator(mode="after")
     def _features_fit(self) -> SyntheticData:
+        _validation_rows_named(self)
         if self.n_informative + self.n_redundant > self.n_features:
             raise FieldProblem(
                 f"n_informative + n_redundant must be <= n_features, got "
@@ -58,6 +70,11 @@ class DigitsData(Section):
     validation: ValidationSplit | None = None
     train_fraction: TrainFraction = 0.8
     random_state: Seed = 42
+
+    @model_validator(mode="after")
+    def _validation_rows(self) -> DigitsData:
+        _validation_rows_named(self)
+        return self
 
 
 class ParquetData(Section):
@@ -81,11 +98,16 @@ class ParquetData(Section):
     # Names of classes 0..K-1: a string label column is mapped by them, and they become the
     # saved model's id2label.
     label_names: list[str] | None = Field(None, min_length=2)
+    # What a label is (targets.py): a class id; real values to regress on (a number or an
+    # equal-length list of numbers per row); or a multi-hot set of labels (a list of 0/1).
+    label_kind: Literal["class", "real", "multi_hot"] = "class"
     train_fraction: TrainFraction = 0.8  # used only when test_path is None
     random_state: Seed = 42
 
     @model_validator(mode="after")
     def _one_feature_source(self) -> ParquetData:
+        if self.source != "ray_dataset":
+            _validation_rows_named(self)
         given = [k for k in ("feature_columns", "tensor_column", "text_column")
                  if getattr(self, k) is not None]
         if len(given) != 1:
@@ -101,7 +123,21 @@ class ParquetData(Section):
                                    "normalize")
             if not std > 0:
                 raise FieldProblem(f"{column}: the std must be > 0, got {std:g}", "normalize")
+        self._fits_label_kind()
         return self
+
+    def _fits_label_kind(self) -> None:
+        if self.label_kind == "class":
+            return
+        for field in ("text_column", "label_names"):
+            if getattr(self, field) is not None:
+                raise FieldProblem(f"not with label_kind {self.label_kind}: text and named "
+                                   "labels are class ids", field)
+        if self.label_kind == "real" and self.validation is not None:
+            raise FieldProblem(
+                "not with label_kind real yet: a squared error has no bound per example, so "
+                "no noise makes its release private; hold rows out with test_path instead",
+                "validation")
 
 
 class RayDatasetData(ParquetData):
@@ -114,8 +150,10 @@ class RayDatasetData(ParquetData):
 
     @model_validator(mode="after")
     def _no_paths(self) -> RayDatasetData:
-        for field in ("path", "test_path"):
-            if getattr(self, field) is not None:
+        paths = {"path": self.path, "test_path": self.test_path,
+                 "validation.path": self.validation and self.validation.path}
+        for field, path in paths.items():
+            if path is not None:
                 raise FieldProblem("not read with source ray_dataset: the rows are the Ray "
                                    "Datasets passed to run(pipeline, datasets=...)", field)
         return self

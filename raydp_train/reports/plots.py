@@ -3,6 +3,7 @@ lines and legend) and saved as a PNG; legends sit below the axes, never over the
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -32,9 +33,7 @@ def run_figures(record: dict) -> dict:
     non-private one has epsilon infinite)."""
     privacy = record["privacy"]
     spent = f"epsilon spent (delta={privacy['delta']:g}, {privacy['accountant'].upper()})"
-    causal = any("test_perplexity" in row for row in record["metrics"])
-    drawn, figure_of = ("perplexity", perplexity_figure) if causal else ("accuracy",
-                                                                         accuracy_figure)
+    drawn, figure_of = _drawn(record["metrics"])
     figures = {f"{drawn}_vs_epoch.png": figure_of(record, "epoch", "epoch")}
     if privacy.get("private", True):
         figures[f"{drawn}_vs_epsilon.png"] = figure_of(record, "epsilon", spent)
@@ -62,16 +61,37 @@ def accuracy_figure(record: dict, x: str, xlabel: str):
     return _finished(figure, axes)
 
 
-def perplexity_figure(record: dict, x: str, xlabel: str):
-    """A causal LM's held-out perplexity after each epoch against `x` (a metrics column)."""
+# What a run without test accuracy draws: metrics column -> (name, y-axis label).
+LOWER_IS_BETTER = {"test_perplexity": ("perplexity", "perplexity per token (lower is better)"),
+                   "test_mse": ("mse", "mean squared error (lower is better)")}
+
+
+def _drawn(metrics: list[dict]):
+    """(name, figure function) of what a run's metrics hold: accuracy, else a causal LM's
+    perplexity or a regression's mean squared error."""
+    for column, (name, ylabel) in LOWER_IS_BETTER.items():
+        if any(column in row for row in metrics):
+            return name, functools.partial(lower_is_better_figure, column=column, name=name,
+                                           ylabel=ylabel)
+    return "accuracy", accuracy_figure
+
+
+def lower_is_better_figure(record: dict, x: str, xlabel: str, column: str, name: str,
+                           ylabel: str):
+    """A held-out `column` (a causal LM's perplexity, a regression's mse) after each epoch
+    against `x` (a metrics column), with the run's baselines of it."""
     figure, axes = _pyplot().subplots(figsize=(7, 4.8))
     rows = record["metrics"]
-    axes.plot([row[x] for row in rows], [row["test_perplexity"] for row in rows], marker="o",
-              label="test perplexity")
+    axes.plot([row[x] for row in rows], [row[column] for row in rows], marker="o",
+              label=column.replace("_", " "))
+    mean_mse = record.get("baselines", {}).get("test_mean_prediction_mse")
+    if column == "test_mse" and mean_mse is not None:
+        axes.axhline(mean_mse, color="black", linestyle="--", linewidth=1.2,
+                     label=f"predicting the test mean: {mean_mse:.3f}")
     if x == "epsilon":
         axes.set_xlim(left=0)
-    axes.set(xlabel=xlabel, ylabel="perplexity per token (lower is better)",
-             title=f"{record['pipeline']['name']}: perplexity after each epoch, by {x}")
+    axes.set(xlabel=xlabel, ylabel=ylabel,
+             title=f"{record['pipeline']['name']}: {name} after each epoch, by {x}")
     return _finished(figure, axes)
 
 

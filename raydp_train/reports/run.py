@@ -206,8 +206,8 @@ def read_record(run_dir: Path) -> dict:
 
 
 def metrics_table(record: dict) -> str:
-    measured = [c for c in ("test_accuracy", "test_loss", "test_perplexity",
-                            "validation_accuracy")
+    measured = [c for c in ("test_accuracy", "test_label_accuracy", "test_mse", "test_loss",
+                            "test_perplexity", "validation_accuracy")
                 if any(c in row for row in record["metrics"])]
     columns = ["epoch", "steps", "steps_charged", "train_loss", *measured, "epsilon"]
     widths = [max(13, len(c)) for c in columns]

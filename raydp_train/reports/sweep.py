@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raydp_train.reports.plots import privacy_utility_figure, save
+from raydp_train.targets import ClassIds, label_kind
 
 
 def write_sweep_outputs(sweep, pipeline, on_line) -> None:
@@ -19,8 +20,10 @@ def write_sweep_outputs(sweep, pipeline, on_line) -> None:
         {"directory": str(directory), "trials": sweep.trials, "best": sweep.best,
          "privacy": sweep.privacy}, indent=2,
         default=str))
+    # Chance (1/K) is a class-id classifier's; an exact match of K labels has none so simple.
+    chance = 1 / sweep.num_classes if isinstance(label_kind(pipeline.data), ClassIds) else None
     figure = privacy_utility_figure(sweep.trials, config.metric, pipeline.name, sweep.best,
-                                    sweep.privacy, 1 / sweep.num_classes)
+                                    sweep.privacy, chance)
     plot = save(figure, directory / "privacy_utility.png")
     on_line(results_table(sweep.trials, list(config.search_space), config.metric))
     if sweep.best is not None:

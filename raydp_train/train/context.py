@@ -73,9 +73,6 @@ class LocalContext:
     def report(self, row: dict, state: dict) -> None:
         self.on_epoch(row)
 
-    def fail_once(self, step: int) -> None:
-        raise RuntimeError(f"injected failure at step {step}")
-
 
 class RayTrainContext:
     """One rank of a Ray Train worker group (torch.distributed is set up by TorchTrainer)."""
@@ -187,13 +184,6 @@ class RayTrainContext:
                         "state_bytes": state_file.stat().st_size}
             (Path(directory) / PROGRESS_FILE).write_text(json.dumps(progress))
             ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(directory))
-
-    def fail_once(self, step: int) -> None:
-        """Test hook: the last rank raises once per run (a marker in the run dir says so)."""
-        marker = Path(self.run_dir) / ".injected_failure"
-        if self.rank == self.world_size - 1 and not marker.exists():
-            marker.touch()
-            raise RuntimeError(f"injected failure at step {step} on rank {self.rank}")
 
 
 STATE_FILE, PROGRESS_FILE, STOP_FILE = "state.pt", "progress.json", ".stop_requested"

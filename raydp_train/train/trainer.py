@@ -73,7 +73,6 @@ def fit(
     plan: PrivacyPlan,
     run_dir: Path,
     on_epoch: Callable[[dict], None] = print,
-    fail_at_step: int | None = None,
     budget: BudgetClient | None = None,
     owner: str = "",
     callbacks: list | None = None,
@@ -81,6 +80,7 @@ def fit(
     ceiling: Charged | None = None,
     concurrent_runs: int = 1,
     on_progress: Callable[[dict], None] | None = None,
+    after_step: Callable[[object, int], None] | None = None,
 ) -> TrainResult:
     """Train on Ray Train with `training.workers` workers; resumes if `run_dir` has a checkpoint.
 
@@ -89,7 +89,8 @@ def fit(
     splits that are files of their own reach the workers as Ray Data shards (data_shards.py;
     `dataset`, the driver's checked summary, then gives only their shape); any other
     `dataset` (loaded, e.g. split in memory, by the driver) through the object store.
-    `fail_at_step` makes the last rank raise once at that step (tests of restarts).
+    `after_step(context, step)` runs on every rank after each step: the tests' fault
+    injection (tests/faults.py), pickled to the workers.
     `concurrent_runs`: how many runs (a sweep's trials) may share the machines with this one.
     `on_progress` gets rank 0's place within an epoch every PROGRESS_EVERY_S seconds.
     """
@@ -103,7 +104,7 @@ def fit(
         "plan": plan.as_dict(),
         "run_dir": str(run_dir),
         "progress": progress,
-        "fail_at_step": fail_at_step,
+        "after_step": after_step,
         "budget": budget,
         "owner": owner or run_dir.name,
         "ceiling": ceiling,
@@ -230,8 +231,8 @@ def _train_loop_per_worker(config: dict) -> TrainResult:
                               config["concurrent_runs"])
     dataset = None if config["dataset"] is None else ray.get(config["dataset"])
     try:
-        result = train(pipeline, plan, context, config["fail_at_step"], dataset,
-                       config["data_shape"])
+        result = train(pipeline, plan, context, dataset, config["data_shape"],
+                       config["after_step"])
     finally:
         account.record.close()
     result.model = result.model.cpu()

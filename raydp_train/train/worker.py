@@ -7,13 +7,14 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from raydp_train.custom_models import classifier_loss
-from raydp_train.data import Dataset, accuracy_baselines, load_data
+from raydp_train.custom_models import training_loss
+from raydp_train.data import Dataset, load_data
 from raydp_train.hf_causal import causal_lm_loss, token_loss_sum
 from raydp_train.hf_files import tokenizer_source
 from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
@@ -23,6 +24,7 @@ from raydp_train.privacy.mechanism import Mechanism, make_mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_, make_generator, make_noise_generator
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.stops import StopReason
+from raydp_train.targets import LABEL_KINDS, LabelKind, label_kind
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
 from raydp_train.train.engine_checks import EngineChecks
@@ -81,14 +83,16 @@ def epoch_ends(epochs: int, expected_batch_size: int, num_examples: int) -> list
 
 
 def train(
-    pipeline, plan: PrivacyPlan, context, fail_at_step: int | None = None, dataset=None,
+    pipeline, plan: PrivacyPlan, context, dataset=None,
     data_shape: tuple[tuple[int, ...], int] | None = None,
+    after_step: Callable[[object, int], None] | None = None,
 ) -> TrainResult:
     """Train on this rank's rows; every rank returns the same model, rank 0's metrics count.
 
     The rows: this rank's Ray Data shards when the context has them (`data_shape`: the
     driver's (feature shape, classes)), else its share of `dataset` (already loaded, e.g.
     split in memory by the driver) or of the data it loads itself (ARCHITECTURE.md §2.10).
+    `after_step(context, step)` runs on every rank after each step (tests inject faults).
     """
     rank = context.rank
     seed, training = pipeline.run.seed, pipeline.training
@@ -113,10 +117,10 @@ def train(
     engine_checks = EngineChecks(pipeline.privacy.self_check, shared_seed + 1, context.gather,
                                  AUTOCAST_DTYPES[training.precision])
 
-    causal = is_causal_lm(pipeline.model)
+    kind = None if is_causal_lm(pipeline.model) else label_kind(pipeline.data)
     result = TrainResult(model=model, noise_mode=noise_mode,
                          data_shape=(list(local.feature_shape), local.num_classes),
-                         baselines={} if causal else _baselines(local, context),
+                         baselines={} if kind is None else _baselines(local, kind, context),
                          shard_sizes=context.gather(local.num_train),
                          data_mb=context.gather(round(data_mb, 1)),
                          threads=context.gather(threads), nodes=context.gather(context.node))
@@ -129,14 +133,14 @@ def train(
         step, first_epoch, result.metrics = state["step"], state["epoch"] + 1, state["metrics"]
         mechanism.refresh(step, first_epoch, force=True)  # state of the restored weights
     # After the restore: the cache holds what this rank's model computes, frozen from now on.
-    per_example_loss, prefix_outputs, score = _loss_and_score(pipeline, model, local)
+    per_example_loss, prefix_outputs, score = _loss_and_score(pipeline, model, local, kind)
 
-    def evaluate(split: str) -> tuple[float, float]:
-        """(correct, rows), or (token loss sum, tokens) of a causal LM, of `split` over every
-        rank's rows."""
-        counts = torch.tensor(score(model, split), dtype=torch.float64, device=context.device)
-        context.all_reduce_sum(counts)
-        return counts[0].item(), counts[1].item()
+    def evaluate(split: str) -> list[float]:
+        """The label kind's sums (e.g. correct, rows), or (token loss sum, tokens) of a
+        causal LM, of `split` over every rank's rows."""
+        sums = torch.tensor(score(model, split), dtype=torch.float64, device=context.device)
+        context.all_reduce_sum(sums)
+        return sums.tolist()
 
     ends = epoch_ends(training.epochs, plan.expected_batch_size, plan.num_examples)
     started = time.monotonic()
@@ -166,8 +170,8 @@ def train(
             )
             schedule.step()  # once per logical step, whatever its number of micro-batches
             loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
-            if step == fail_at_step:
-                context.fail_once(step)
+            if after_step is not None:
+                after_step(context, step)
             if time.monotonic() - shown >= PROGRESS_EVERY_S:  # a long epoch: where it is
                 shown = time.monotonic()
                 context.show_progress({"epoch": epoch, "step": step, "first_step": first_step,
@@ -181,7 +185,7 @@ def train(
             "steps_charged": charged.steps,
             "examples_seen": int(totals[1]),
             "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
-            **held_out_metrics(causal, evaluate("test")),
+            **held_out_metrics(kind, evaluate("test")),
             "epsilon": plan.epsilon(charged.steps, releases=charged.releases),
             "elapsed_s": time.monotonic() - started,
             "lr": training.lr * schedule_scale(optimizer),  # training.lr as scheduled
@@ -191,7 +195,8 @@ def train(
         if local.validation_labels is not None:
             context.releasing_metric(epoch)
             row["validation_accuracy"] = context.gather(
-                released_accuracy(*evaluate("validation"), plan, noise_generator))[0]
+                released_accuracy(*kind.released_count(evaluate("validation")), plan,
+                                  noise_generator))[0]
         context.settle(epoch_charge)
         result.metrics.append(row)
         context.report(row, _checkpoint_state(model, optimizer, schedule, epoch, step,
@@ -226,7 +231,9 @@ def _local_rows(pipeline, context, dataset, data_shape):
         from raydp_train.data_shards import materialize
 
         feature_shape, num_classes = data_shape
-        splits = {name: materialize(shard, feature_shape) for name, shard in shards.items()}
+        labels = label_kind(pipeline.data).label_array(num_classes)
+        splits = {name: materialize(shard, feature_shape, labels)
+                  for name, shard in shards.items()}
         return Dataset(*splits["train"], *splits["test"], num_classes,
                        *splits.get("validation", (None, None))).to_torch()
     if dataset is None or not dataset.features_read:  # the driver checked, did not tokenize
@@ -235,58 +242,58 @@ def _local_rows(pipeline, context, dataset, data_shape):
     return dataset.rows(context.rank, context.world_size).to_torch()
 
 
-def _baselines(local: Dataset, context) -> dict[str, float]:
-    """Dataset.accuracy_baselines of the whole test split, from every rank's label counts."""
-    counts = torch.bincount(local.test_labels, minlength=local.num_classes).double()
-    counts = counts.to(context.device)
-    context.all_reduce_sum(counts)
-    return accuracy_baselines(counts.tolist())
-
-
-def _share(correct: float, rows: float) -> float:
-    return correct / max(rows, 1)
+def _baselines(local: Dataset, kind: LabelKind, context) -> dict[str, float]:
+    """What a test metric must beat (chance, the test split's majority class, ...), from
+    every rank's sums of its test labels. Only the held-out test labels are read, which every
+    epoch scores without noise anyway: no training row is looked at, no privacy spent."""
+    sums = kind.baseline_sums(local.test_labels, local.num_classes).to(context.device)
+    context.all_reduce_sum(sums)
+    return kind.baselines(sums.tolist())
 
 
 def is_causal_lm(model_config) -> bool:
     return getattr(model_config, "task", None) == "causal_lm"
 
 
-def held_out_metrics(causal: bool, totals: tuple[float, float]) -> dict[str, float]:
-    """A classifier's test accuracy from (correct, rows); a causal LM's held-out loss per
-    token and its perplexity exp(loss) from (token loss sum, tokens)."""
-    if not causal:
-        return {"test_accuracy": _share(*totals)}
+def held_out_metrics(kind: LabelKind | None, totals: list[float]) -> dict[str, float]:
+    """The label kind's test metrics from its sums (a classifier's accuracy from (correct,
+    rows)); a causal LM's (kind None) held-out loss per token and its perplexity exp(loss)
+    from (token loss sum, tokens)."""
+    if kind is not None:
+        return kind.metrics(totals, "test")
     loss = totals[0] / max(totals[1], 1)
     return {"test_loss": loss, "test_perplexity": math.exp(min(loss, 700.0))}
 
 
-def _loss_and_score(pipeline, model: nn.Module, local: Dataset):
+def _loss_and_score(pipeline, model: nn.Module, local: Dataset, kind: LabelKind | None):
     """(per-example loss, cached prefix outputs or None, score(model, split)): a causal LM's
-    next-token loss and held-out token losses, or a classifier's (`_frozen_prefix_cache`)."""
-    if not is_causal_lm(pipeline.model):
-        return _frozen_prefix_cache(pipeline.training, pipeline.model, model, local)
+    next-token loss and held-out token losses, or those of the labels' kind
+    (`_frozen_prefix_cache`)."""
+    if kind is not None:
+        return _frozen_prefix_cache(pipeline.training, pipeline.model, model, local, kind)
     splits = {"test": local.test_features, "validation": local.validation_features}
     return (causal_lm_loss(pipeline.model.loss_reduction), None,
             lambda model, split: token_loss_sum(model, splits[split]))
 
 
-def _frozen_prefix_cache(training, model_config, model: nn.Module, local: Dataset):
+def _frozen_prefix_cache(training, model_config, model: nn.Module, local: Dataset,
+                         kind: LabelKind):
     """(per-example loss, outputs of the frozen prefix for this rank's training rows or None,
-    score(model, split) -> (correct, rows) on this rank's rows of the split): with
+    score(model, split) -> the kind's sums on this rank's rows of the split): with
     training.cache_frozen_prefix the frozen bottom layers run once per example (hf_prefix),
     the test and validation rows' too, so each epoch's scoring runs only the trained top."""
     splits = {"test": (local.test_features, local.test_labels),
               "validation": (local.validation_features, local.validation_labels)}
     if not training.cache_frozen_prefix:
-        return (classifier_loss(model_config), None,
-                lambda model, split: correct_count(model, *splits[split]))
+        return (training_loss(model_config, kind), None,
+                lambda model, split: held_out_sums(model, *splits[split], kind))
     prefix = FrozenPrefix(model)
     hidden = {split: prefix.outputs(model, features)
               for split, (features, _) in splits.items() if features is not None}
 
-    def score(model: nn.Module, split: str) -> tuple[int, int]:
+    def score(model: nn.Module, split: str) -> list[float]:
         features, labels = splits[split]
-        return correct_count(model, (features, hidden[split]), labels, prefix)
+        return held_out_sums(model, (features, hidden[split]), labels, kind, prefix)
 
     return cached_prefix_loss(prefix), prefix.outputs(model, local.train_features), score
 
@@ -325,18 +332,20 @@ def released_accuracy(correct: int, rows: int, plan: PrivacyPlan, noise_generato
 
 
 def accuracy(model: nn.Module, features, labels: torch.Tensor) -> float:
-    """Share of `labels` predicted."""
-    return _share(*correct_count(model, features, labels))
+    """Share of the class ids `labels` predicted."""
+    correct, rows = held_out_sums(model, features, labels, LABEL_KINDS["class"])
+    return correct / max(rows, 1)
 
 
 @torch.no_grad()
-def correct_count(model: nn.Module, features, labels: torch.Tensor,
-                  prefix: FrozenPrefix | None = None) -> tuple[int, int]:
-    """(labels predicted, rows); `features` are (tokens, cached prefix outputs) with a
-    `prefix`, whose frozen layers then do not run again."""
+def held_out_sums(model: nn.Module, features, labels: torch.Tensor, kind: LabelKind,
+                  prefix: FrozenPrefix | None = None) -> list[float]:
+    """`kind`'s sums (for class ids: labels predicted, rows) over the rows; `features` are
+    (tokens, cached prefix outputs) with a `prefix`, whose frozen layers then do not run
+    again."""
     model.eval()
     device = next(model.parameters()).device
-    correct = 0
+    sums = [0.0] * kind.sums
     for start in range(0, len(labels), 1024):
         rows = slice(start, start + 1024)
         if prefix is None:
@@ -345,5 +354,6 @@ def correct_count(model: nn.Module, features, labels: torch.Tensor,
             tokens, hidden = features
             with prefix.skipped(hidden[rows].to(device)):
                 logits = model(tokens[rows].to(device))
-        correct += (logits.argmax(1).cpu() == labels[rows]).sum().item()
-    return correct, len(labels)
+        batch = kind.score(logits.cpu(), labels[rows])
+        sums = [total + value for total, value in zip(sums, batch, strict=True)]
+    return sums
