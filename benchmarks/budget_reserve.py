@@ -21,7 +21,8 @@ import ray
 
 from raydp_train.budget_actor import open_budget
 from raydp_train.config.sweep import BudgetConfig
-from raydp_train.privacy.budget import BudgetTerms, Spend, replay
+from raydp_train.privacy.budget import replay
+from raydp_train.privacy.budget_terms import BudgetTerms, Spend
 from raydp_train.privacy.ledger import BudgetLedger
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -23,7 +23,9 @@ from raydp_train.data import load_data
 from raydp_train.models import build_model
 from raydp_train.plan import make_plan
 from raydp_train.train.context import LocalContext
-from raydp_train.train.worker import accuracy, make_optimizer, train
+from raydp_train.train.evaluation import accuracy
+from raydp_train.train.optim import make_optimizer
+from raydp_train.train.worker import train
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_overhead import write_section

@@ -119,7 +119,7 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
     "test": ...} for a pipeline with data.source ray_dataset (ray_datasets.py)."""
     from raydp_train.reports.run import new_run_dir, privacy_statement, write_run_record
     from raydp_train.reports.trackers import RunTrackers
-    from raydp_train.reruns import driving, run_to_continue
+    from raydp_train.reruns import driving
     from raydp_train.train.trainer import RunInterrupted, fit
     from raydp_train.worker_errors import explain
 
@@ -128,12 +128,7 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
     on_epoch = epoch_printer(epochs) if on_epoch is ... else on_epoch or _silent
     on_progress = progress_printer(epochs) if on_progress is ... else on_progress or _silent
     pipeline, dataset, plan = _prepare_run(pipeline, address, verbose, source, datasets)
-    resumed = resumed_run_dir(resume, pipeline) if resume else None
-    if resumed is None and not new:
-        resumed = run_to_continue(pipeline, source, rerun_choices or _python_choices)
-        if resumed is not None:
-            on_line(f"continuing the unfinished run {resumed} of this pipeline from its last "
-                    "checkpoint (run.on_interrupted: resume; --new, or new=True, starts another)")
+    resumed = _run_to_resume(pipeline, resume, new, source, rerun_choices, on_line)
     budget = _open_budget(pipeline, on_line)  # refused before a run directory is made
     run_dir = resumed or new_run_dir(pipeline)
     on_line(_header(pipeline, plan, run_dir))
@@ -169,6 +164,23 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
     return RunResult(run_dir, _status(result), result.stop_reason, result.metrics, privacy, record,
                      None if budget is None else budget.status(), result.ray_result,
                      result.stop)
+
+
+def _run_to_resume(pipeline: Pipeline, resume, new: bool, source: str, rerun_choices,
+                   on_line) -> Path | None:
+    """The run directory `resume` names, else this pipeline's unfinished run (unless `new`),
+    else None: a new run."""
+    from raydp_train.reruns import run_to_continue
+
+    if resume:
+        return resumed_run_dir(resume, pipeline)
+    if new:
+        return None
+    resumed = run_to_continue(pipeline, source, rerun_choices or _python_choices)
+    if resumed is not None:
+        on_line(f"continuing the unfinished run {resumed} of this pipeline from its last "
+                "checkpoint (run.on_interrupted: resume; --new, or new=True, starts another)")
+    return resumed
 
 
 def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = False,

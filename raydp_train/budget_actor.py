@@ -14,14 +14,9 @@ from dataclasses import dataclass
 
 import ray
 
-from raydp_train.privacy.budget import (
-    NAMESPACE,
-    BudgetError,
-    BudgetTerms,
-    Decision,
-    Spend,
-)
+from raydp_train.privacy.budget import NAMESPACE, Decision
 from raydp_train.privacy.budget_accountant import BudgetAccountant
+from raydp_train.privacy.budget_terms import BudgetError, BudgetTerms, Spend
 from raydp_train.privacy.ledger import LedgerError, as_uri
 
 # A resource Ray puts on the head node alone (and on a local Ray's one node).

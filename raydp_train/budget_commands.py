@@ -99,7 +99,7 @@ def budget_reset(args) -> int:
     import getpass
 
     from raydp_train.budget_actor import open_existing_budget
-    from raydp_train.privacy.budget import BudgetError
+    from raydp_train.privacy.budget_terms import BudgetError
     from raydp_train.privacy.ledger_reading import budget_status
     from raydp_train.reports.budget import status_text
     from raydp_train.resources import check_address

@@ -44,8 +44,8 @@ from raydp_train.privacy.mechanism import MECHANISMS, mechanism_named
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.targets import ClassIds, label_kind
+from raydp_train.train.optim import make_optimizer
 from raydp_train.train.step import cross_entropy_loss, private_step
-from raydp_train.train.worker import make_optimizer
 
 AUDITABLE_MODELS = ("logistic", "mlp")
 # The canary's label marks its row; real labels are >= 0.

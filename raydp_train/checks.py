@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from raydp_train.config.data_model import is_causal_lm
 from raydp_train.config.pipeline import Pipeline
 from raydp_train.hf_files import check_tokenizer as check_tokenizer_files
 from raydp_train.hf_files import load_tokenizer, tokenizer_source
@@ -133,7 +134,7 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
         features = torch.randn(count, *feature_shape, generator=generator)
     kind = label_kind(pipeline.data)
     labels = kind.example_labels(count, num_classes, generator)
-    causal = getattr(pipeline.model, "task", None) == "causal_lm"
+    causal = is_causal_lm(pipeline.model)
     loss = causal_lm_loss(pipeline.model.loss_reduction) if causal else training_loss(
         pipeline.model, kind)
     precision = pipeline.training.precision

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from raydp_train.config.data_model import is_causal_lm
 from raydp_train.errors import UserError
 
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
@@ -29,7 +30,7 @@ def build_model(config, feature_shape: tuple[int, ...], num_classes: int,
         if len(feature_shape) != 2 or feature_shape[0] != 2:
             raise ModelError("model.kind: 'hf' needs text data (data.text_column), got "
                              f"features of shape {list(feature_shape)}")
-        if config.task == "causal_lm":
+        if is_causal_lm(config):
             model = build_causal_lm(config, weights)
         else:
             model = build_hf_model(config, num_classes, weights)

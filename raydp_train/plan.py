@@ -10,7 +10,7 @@ from raydp_train.privacy.accounting import (
     composed_epsilon,
     rough_epsilon_estimate,
 )
-from raydp_train.privacy.budget import Spend
+from raydp_train.privacy.budget_terms import Spend
 from raydp_train.privacy.mechanism import mechanism_named
 from raydp_train.privacy.sampling import sampling_rate, total_steps
 

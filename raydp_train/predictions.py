@@ -100,7 +100,9 @@ def _released_model(run_dir: Path, pipeline):
     import torch
 
     config = pipeline.model
-    if getattr(config, "task", None) == "causal_lm":
+    from raydp_train.config.data_model import is_causal_lm
+
+    if is_causal_lm(config):
         raise PredictError(f"{run_dir}: a causal language model; use `raydp-train generate`")
     if config.kind == "hf":
         return _hf_model(run_dir, config).eval()

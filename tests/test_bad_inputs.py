@@ -23,7 +23,7 @@ from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
 from raydp_train.config.pipeline import dump_pipeline, pipeline_from_dict
 from raydp_train.config.sweep import BudgetConfig
 from raydp_train.privacy.accounting import epsilon_spent
-from raydp_train.privacy.budget import Spend
+from raydp_train.privacy.budget_terms import Spend
 from raydp_train.privacy.ledger_reading import ledger_rows
 
 # 200 synthetic rows -> N = 160 training examples; batch 16 -> q = 0.1, 10 steps per epoch.

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pytest
 from dp_accounting import pld, rdp
 
-from raydp_train.privacy import ledger as ledger_module
-from raydp_train.privacy.budget import BudgetError, BudgetTerms, Spend
+from raydp_train.privacy import exclusive_files
 from raydp_train.privacy.budget_accountant import BudgetAccountant
+from raydp_train.privacy.budget_terms import BudgetError, BudgetTerms, Spend
 from raydp_train.privacy.ledger import LedgerCorruptError, LedgerError
 from raydp_train.privacy.random_stopping import draw_trial_count, gamma_for_mean, trial_count_mean
 
@@ -169,7 +169,7 @@ def test_full_disk_refuses_the_reservation(tmp_path, monkeypatch):
                 OSError(28, "No space left on device", path))
         return stream
 
-    monkeypatch.setattr(ledger_module, "open", disk_full_on_write, raising=False)
+    monkeypatch.setattr(exclusive_files, "open", disk_full_on_write, raising=False)
     with pytest.raises(LedgerError, match="No space left on device"):
         budget.reserve("r1", "t", Spend(0.02, 1.0, 10))
     assert budget.status() == before

@@ -15,7 +15,8 @@ import pytest
 from budget_writer import fits_alone
 from ray_head import BIN, isolated_env, stop_marked
 
-from raydp_train.privacy.budget import Spend, replay
+from raydp_train.privacy.budget import replay
+from raydp_train.privacy.budget_terms import Spend
 from raydp_train.privacy.ledger_reading import budget_status, ledger_rows
 
 ROOT = Path(__file__).parents[1]

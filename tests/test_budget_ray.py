@@ -13,7 +13,8 @@ from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
 from raydp_train.config.pipeline import load_pipeline
 from raydp_train.config.sweep import BudgetConfig
 from raydp_train.models import build_model
-from raydp_train.privacy.budget import NAMESPACE, Spend
+from raydp_train.privacy.budget import NAMESPACE
+from raydp_train.privacy.budget_terms import Spend
 from raydp_train.privacy.ledger import as_uri
 from raydp_train.privacy.ledger_reading import ledger_rows
 

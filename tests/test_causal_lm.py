@@ -163,7 +163,7 @@ def test_a_causal_lm_reports_loss_and_perplexity_instead_of_accuracy():
     from raydp_train.console import held_out_text
     from raydp_train.reports.run import metrics_table
     from raydp_train.targets import LABEL_KINDS
-    from raydp_train.train.worker import held_out_metrics
+    from raydp_train.train.evaluation import held_out_metrics
 
     assert held_out_metrics(LABEL_KINDS["class"], [3.0, 4.0]) == {"test_accuracy": 0.75}
     row = held_out_metrics(None, [6.0, 3.0])

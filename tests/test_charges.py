@@ -4,8 +4,8 @@ and the run's account, which asks the global budget before recording."""
 import pytest
 
 from raydp_train.plan import PrivacyPlan
-from raydp_train.privacy.budget import BudgetTerms
 from raydp_train.privacy.budget_accountant import BudgetAccountant
+from raydp_train.privacy.budget_terms import BudgetTerms
 from raydp_train.train.charges import (
     Charged,
     ChargeLedger,

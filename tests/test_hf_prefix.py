@@ -14,8 +14,9 @@ from raydp_train.plan import make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.targets import LABEL_KINDS
 from raydp_train.train.context import LocalContext
+from raydp_train.train.evaluation import accuracy, held_out_sums
 from raydp_train.train.step import cross_entropy_loss
-from raydp_train.train.worker import accuracy, held_out_sums, train
+from raydp_train.train.worker import train
 
 pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 DROPOUT = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}  # BERT, RoBERTa

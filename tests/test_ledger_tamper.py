@@ -8,10 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from raydp_train.cli import main
-from raydp_train.privacy.budget import BudgetTerms, Spend
 from raydp_train.privacy.budget_accountant import BudgetAccountant
-from raydp_train.privacy.ledger import LEDGER_SCHEMA, UNCHAINED_SCHEMA, LedgerCorruptError
+from raydp_train.privacy.budget_terms import BudgetTerms, Spend
+from raydp_train.privacy.ledger import LedgerCorruptError
 from raydp_train.privacy.ledger_reading import budget_status, verify_ledger
+from raydp_train.privacy.ledger_schema import LEDGER_SCHEMA, UNCHAINED_SCHEMA
 
 TERMS = BudgetTerms("b", 20.0, 1e-5)
 SPEND = Spend(0.02, 1.0, 200)

@@ -9,8 +9,9 @@ import threading
 import pytest
 
 from raydp_train.privacy import ledger as ledger_module
-from raydp_train.privacy.budget import BudgetTerms, Spend, replay
+from raydp_train.privacy.budget import replay
 from raydp_train.privacy.budget_accountant import BudgetAccountant
+from raydp_train.privacy.budget_terms import BudgetTerms, Spend
 from raydp_train.privacy.ledger import (
     BudgetLedger,
     LedgerCorruptError,
@@ -86,7 +87,7 @@ def test_settle_and_reset_made_on_a_stale_view_are_decided_again(tmp_path):
 def test_a_plain_replace_instead_of_an_exclusive_create_would_lose_a_row(tmp_path, monkeypatch):
     """The check of the check: with a rename that may replace, the race test's setting breaks."""
     first, second = _accountants(tmp_path, 2, 20.0)
-    monkeypatch.setattr(ledger_module, "_link_exclusively",
+    monkeypatch.setattr(ledger_module, "link_exclusively",
                         lambda temporary, final: os.replace(temporary, final) or True)
     first.reserve("r1", "a", SPEND)
     second.reserve("r2", "b", SPEND)  # replaces r1's fragment: r1's grant is gone

@@ -12,7 +12,7 @@ from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.models import build_model
 from raydp_train.plan import make_plan
 from raydp_train.privacy.accounting import composed_epsilon, dpsgd_event
-from raydp_train.privacy.budget import BudgetError, Spend
+from raydp_train.privacy.budget_terms import BudgetError, Spend
 from raydp_train.privacy.mechanism import (
     MECHANISMS,
     DpSgd,

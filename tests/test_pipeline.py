@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from raydp_train.config.overrides import apply_overrides
 from raydp_train.config.pipeline import (
     MlpModel,
     Pipeline,
     PipelineError,
     SyntheticData,
-    apply_overrides,
     dump_pipeline,
     load_pipeline,
     pipeline_from_dict,

@@ -7,7 +7,7 @@ from dp_accounting import rdp
 
 from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.preflight import check_pipeline
-from raydp_train.sweeps import random_stopping_spend, worst_trial_spend
+from raydp_train.sweep_spending import random_stopping_spend, worst_trial_spend
 
 SWEEP = "pipelines/sweep_digits.yaml"
 
@@ -63,7 +63,7 @@ def test_bad_sweep_settings_are_refused_naming_the_field(overrides, expected):
 
 
 def test_a_uniform_range_may_start_at_zero_where_its_field_allows_it():
-    from raydp_train.sweeps import check_search_space
+    from raydp_train.sweep_spending import check_search_space
 
     space = "tune.search_space={privacy.lsg.sparsity: {uniform: [0.0, 0.5]}}"
     sparsity = load_pipeline(SWEEP, ["privacy.mechanism=lsg", space])
@@ -206,7 +206,7 @@ def test_warmup_must_fit_the_trial_with_the_fewest_steps():
     """Each searched field's extremes pass alone, but the smallest number of epochs at the
     largest batch runs fewer steps than warmup_steps: refused before any budget is touched."""
     from raydp_train.config.training import TrainingSetupError
-    from raydp_train.sweeps import check_search_space
+    from raydp_train.sweep_spending import check_search_space
 
     space = "tune.search_space={training.batch_size: {choice: [64, 512]}, training.epochs: {choice: [1, 8]}}"
     pipeline = load_pipeline(SWEEP, [space, "training.warmup_steps=3"])

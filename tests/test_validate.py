@@ -10,8 +10,8 @@ from dp_accounting import rdp
 from text_files import MINILM, text_pipeline
 
 from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
-from raydp_train.privacy.budget import BudgetTerms, Spend
 from raydp_train.privacy.budget_accountant import BudgetAccountant
+from raydp_train.privacy.budget_terms import BudgetTerms, Spend
 from raydp_train.privacy.ledger import as_uri
 
 SWEEP = "pipelines/sweep_digits.yaml"

@@ -280,6 +280,12 @@ class HFModel(Section):
         return self.lm_loss or "sum"
 
 
+def is_causal_lm(model_config) -> bool:
+    """A model section of `model.task: causal_lm` (targets: each text's next tokens): the one
+    place outside the schema's fields that names the task."""
+    return getattr(model_config, "task", None) == "causal_lm"
+
+
 ModelConfig = Annotated[
     LogisticModel | MlpModel | CnnModel | TorchModel | HFModel, Field(discriminator="kind")
 ]

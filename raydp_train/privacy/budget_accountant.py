@@ -10,16 +10,8 @@ if another writer committed that number first. With one writer nothing is re-rea
 
 from __future__ import annotations
 
-from raydp_train.privacy.budget import (
-    BudgetError,
-    BudgetTerms,
-    Decision,
-    Spend,
-    catch_up,
-    check_same_terms,
-    decision_of,
-    replay,
-)
+from raydp_train.privacy.budget import Decision, catch_up, check_same_terms, decision_of, replay
+from raydp_train.privacy.budget_terms import BudgetError, BudgetTerms, Spend
 from raydp_train.privacy.ledger import BudgetLedger, FragmentTaken, LedgerCorruptError, LedgerError
 
 

@@ -36,8 +36,6 @@ marker is read as it is), or a forger who rewrites every hash after an edit.
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import io
 import json
 import os
@@ -49,38 +47,23 @@ import pyarrow.parquet as pq
 from pyarrow import fs
 
 from raydp_train.errors import UserError
+from raydp_train.privacy.exclusive_files import (
+    NO_HARD_LINKS,
+    link_exclusively,
+    remove_quietly,
+    sync_directory,
+    write_durably,
+)
+from raydp_train.privacy.ledger_schema import (
+    KINDS,
+    LEDGER_SCHEMA,
+    SEQ_DIGITS,
+    UNCHAINED_SCHEMA,
+    fragment_name,
+    row_hash,
+)
 
-LEDGER_SCHEMA = pa.schema([
-    ("seq", pa.int64()),  # 0, 1, 2, ... in the order the accountant decided
-    ("budget", pa.string()),
-    ("kind", pa.string()),  # open | reserve | settle | reset
-    ("request_id", pa.string()),  # the caller's id: a retried call is answered, not redone
-    ("owner", pa.string()),  # run or trial spending
-    ("reservation", pa.string()),  # id of the reservation a settle row closes
-    ("mechanism", pa.string()),  # dpsgd | lsg | ... ("random_stopping" in old ledgers)
-    ("sampling_rate", pa.float64()),
-    ("noise_multiplier", pa.float64()),
-    ("steps", pa.int64()),  # reserve: steps asked; settle: steps actually run
-    ("release_noise_multiplier", pa.float64()),  # noisy metric releases (0: none)
-    ("releases", pa.int64()),
-    ("mean_trials", pa.float64()),  # random_stopping only
-    ("shape", pa.float64()),
-    ("budget_epsilon", pa.float64()),  # the budget's fixed terms, on every row
-    ("budget_delta", pa.float64()),
-    ("accountant", pa.string()),
-    ("timestamp", pa.float64()),
-    ("running_epsilon", pa.float64()),  # epsilon of everything counted after this row
-    ("prev_hash", pa.string()),  # SHA-256 of the row before ("" for the first): the chain
-])
-# Ledgers written before the chain: read alike, their rows linked by no hash.
-UNCHAINED_SCHEMA = pa.schema([f for f in LEDGER_SCHEMA if f.name != "prev_hash"])
-KINDS = ("open", "reserve", "settle", "reset")
 HEAD = "HEAD"  # the head marker: {"seq": newest, "hash": its row's hash}
-
-_SEQ_DIGITS = 12
-# Errors of link(2) that mean "this filesystem has no hard links", not "the disk failed".
-_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
-
 
 class LedgerError(UserError, RuntimeError):
     """The ledger cannot be read or written; the message names the path."""
@@ -137,14 +120,14 @@ class BudgetLedger:
         pq.write_table(pa.Table.from_pylist([row], schema=LEDGER_SCHEMA), buffer)
         temporary = f"{self.directory}/.{name}.{uuid.uuid4().hex}.tmp"
         try:
-            _write_durably(temporary, buffer.getvalue())
-            committed = _link_exclusively(temporary, f"{self.directory}/{name}")
+            write_durably(temporary, buffer.getvalue())
+            committed = link_exclusively(temporary, f"{self.directory}/{name}")
             if committed:
-                _sync_directory(self.directory)
+                sync_directory(self.directory)
         except OSError as error:
             raise LedgerError(self._write_problem(name, error)) from error
         finally:
-            _remove_quietly(temporary)
+            remove_quietly(temporary)
         if not committed:
             raise FragmentTaken(f"ledger {self.uri}: fragment {name} was committed by another "
                                 "writer")
@@ -242,14 +225,14 @@ class BudgetLedger:
         path = f"{self.directory}/{HEAD}"
         temporary = f"{self.directory}/.{HEAD}.{uuid.uuid4().hex}.tmp"
         try:
-            _write_durably(temporary, json.dumps({"seq": seq, "hash": digest}).encode())
+            write_durably(temporary, json.dumps({"seq": seq, "hash": digest}).encode())
             os.replace(temporary, path)
-            _sync_directory(self.directory)
+            sync_directory(self.directory)
         except OSError as error:
             raise LedgerError(f"cannot write the ledger's head marker {self.uri}/{HEAD}: "
                               f"{error}") from error
         finally:
-            _remove_quietly(temporary)
+            remove_quietly(temporary)
 
     def rows_from(self, seq: int) -> list[dict]:
         """The rows committed from number `seq` on (what a writer that lost a race missed).
@@ -280,7 +263,7 @@ class BudgetLedger:
             )
         row = table.to_pylist()[0]
         row.setdefault("prev_hash", None)
-        if row["seq"] is None or not name.startswith(f"{row['seq']:0{_SEQ_DIGITS}d}"):
+        if row["seq"] is None or not name.startswith(f"{row['seq']:0{SEQ_DIGITS}d}"):
             raise LedgerCorruptError(f"ledger fragment {shown} holds row number {row['seq']}")
         if row["kind"] not in KINDS:
             raise LedgerCorruptError(f"ledger fragment {shown} has kind {row['kind']!r}, not "
@@ -295,30 +278,11 @@ class BudgetLedger:
             raise LedgerError(f"budget.ledger: cannot use {self.uri}: {error}") from error
 
     def _write_problem(self, name: str, error: OSError) -> str:
-        if error.errno in _NO_HARD_LINKS:
+        if error.errno in NO_HARD_LINKS:
             return (f"budget.ledger: the filesystem of {self.uri} has no hard links, so a "
                     f"fragment cannot be created exclusively ({error}); use a local directory "
                     "or NFS")
         return f"cannot write ledger fragment {self.uri}/{name}: {error}"
-
-
-def row_hash(row: dict) -> str:
-    """SHA-256 of a row's recorded fields (its link to the row before included)."""
-    fields = {field.name: _as_stored(field.type, row.get(field.name)) for field in LEDGER_SCHEMA}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
-def _as_stored(kind: pa.DataType, value):
-    """A value as Parquet gives it back (1 written to a float column reads as 1.0)."""
-    if value is None:
-        return None
-    if pa.types.is_floating(kind):
-        return float(value)
-    return int(value) if pa.types.is_integer(kind) else str(value)
-
-
-def fragment_name(seq: int) -> str:
-    return f"{seq:0{_SEQ_DIGITS}d}.parquet"
 
 
 def as_uri(path: str) -> str:
@@ -331,38 +295,3 @@ def _location(root: str) -> tuple[fs.FileSystem, str]:
         return fs.FileSystem.from_uri(as_uri(root))
     except (OSError, pa.ArrowInvalid) as error:
         raise LedgerError(f"budget.ledger: cannot use {root}: {error}") from error
-
-
-def _write_durably(path: str, data: bytes) -> None:
-    with open(path, "xb") as stream:
-        stream.write(data)
-        stream.flush()
-        os.fsync(stream.fileno())
-
-
-def _link_exclusively(temporary: str, final: str) -> bool:
-    """link(2) `final` to the written `temporary`: True if this call created `final`."""
-    try:
-        os.link(temporary, final)
-        return True
-    except FileExistsError:
-        # NFS: a retransmitted link that had succeeded answers "exists"; our file then has
-        # two links.
-        return os.stat(temporary).st_nlink > 1
-
-
-def _sync_directory(directory: str) -> None:
-    """Make the new name itself durable (the data already is), as a write-ahead log must."""
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _remove_quietly(path: str) -> None:
-    """Drop a temporary file; one left behind is hidden and never read, so not an error."""
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -4,13 +4,8 @@ reach the ledger's directory or bucket, and on a ledger whose budget is not runn
 
 from __future__ import annotations
 
-from raydp_train.privacy.budget import (
-    BudgetBook,
-    BudgetError,
-    BudgetTerms,
-    check_same_terms,
-    replay,
-)
+from raydp_train.privacy.budget import BudgetBook, check_same_terms, replay
+from raydp_train.privacy.budget_terms import BudgetError, BudgetTerms
 from raydp_train.privacy.ledger import BudgetLedger, as_uri
 
 

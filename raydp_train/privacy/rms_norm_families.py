@@ -19,7 +19,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from raydp_train.privacy.layer_rules import RMSNormRule
+from raydp_train.privacy.norm_rules import RMSNormRule
 from raydp_train.privacy.rule_registry import Rule, register_matcher
 
 _EPSILON_NAMES = ("eps", "variance_epsilon")

@@ -9,7 +9,7 @@ A module called several times in one forward is handled by concatenating its cal
 the token axis: grad_i = sum over calls, which is exactly what the concatenation computes.
 
 Rules register themselves for their layers with `@register_rule` (as Opacus's grad samplers
-do); layer_rules.py registers the built-in ones when it is imported.
+do); layer_rules.py and norm_rules.py register the built-in ones when they are imported.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from raydp_train.plan import PrivacyPlan
 from raydp_train.quiet import ray_logging_level
 from raydp_train.train.charges import Charged, ChargeLedger, RunAccount, epsilon_cap
 from raydp_train.train.context import RayTrainContext, clear_stop, request_stop, stop_requested
-from raydp_train.train.worker import TrainResult, train
+from raydp_train.train.result import TrainResult
+from raydp_train.train.worker import train
 
 
 class RunInterrupted(RuntimeError):
@@ -111,8 +112,30 @@ def fit(
         "concurrent_runs": concurrent_runs,
         **_data_for_workers(pipeline, dataset, splits),
     }
+    trainer = _torch_trainer(pipeline, run_dir, config, splits, callbacks)
+    clear_stop(run_dir)
+    stop = threading.Event()
+    printer = threading.Thread(target=_print_progress, daemon=True,
+                               args=(progress, on_epoch, on_progress, stop))
+    printer.start()
+    try:
+        result = _fit_until_stopped(trainer, run_dir)
+    finally:
+        stop.set()
+        printer.join()
+        progress.shutdown()
+    trained: TrainResult = result.return_value
+    if len(set(trained.checksums)) != 1:
+        raise RuntimeError(f"workers ended with different parameters: {trained.checksums}")
+    trained.ray_result = result
+    return trained
+
+
+def _torch_trainer(pipeline: Pipeline, run_dir: Path, config: dict, splits: dict | None,
+                   callbacks: list | None) -> TorchTrainer:
+    """Ray Train's trainer of the run: its workers, their shards, restarts and checkpoints."""
     shards = splits is not None
-    trainer = TorchTrainer(
+    return TorchTrainer(
         _train_loop_per_worker,
         train_loop_config=config,
         datasets=split_datasets(pipeline) if shards else None,
@@ -131,22 +154,6 @@ def fit(
             callbacks=callbacks,
         ),
     )
-    clear_stop(run_dir)
-    stop = threading.Event()
-    printer = threading.Thread(target=_print_progress, daemon=True,
-                               args=(progress, on_epoch, on_progress, stop))
-    printer.start()
-    try:
-        result = _fit_until_stopped(trainer, run_dir)
-    finally:
-        stop.set()
-        printer.join()
-        progress.shutdown()
-    trained: TrainResult = result.return_value
-    if len(set(trained.checksums)) != 1:
-        raise RuntimeError(f"workers ended with different parameters: {trained.checksums}")
-    trained.ray_result = result
-    return trained
 
 
 def on_this_node() -> dict:

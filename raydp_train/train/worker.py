@@ -1,68 +1,37 @@
 """The training loop of one worker, read top to bottom as ARCHITECTURE.md §2.2: charge, sample,
 micro-batch, clip, noise (rank 0), all-reduce, step, report. The same code runs with
-world size 1 in this process and as every rank of a Ray Train worker group."""
+world size 1 in this process and as every rank of a Ray Train worker group. `train` is the
+recipe: `WorkerRun.setup`, one `train_epoch` per epoch, `finish`."""
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from raydp_train.custom_models import training_loss
+from raydp_train.config.data_model import is_causal_lm
 from raydp_train.data import Dataset, load_data
-from raydp_train.hf_causal import causal_lm_loss, token_loss_sum
 from raydp_train.hf_files import tokenizer_source
-from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.models import build_model
 from raydp_train.plan import PrivacyPlan
 from raydp_train.privacy.mechanism import Mechanism, make_mechanism
-from raydp_train.privacy.noise import fill_gaussian_noise_, make_generator, make_noise_generator
+from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
-from raydp_train.stops import StopReason
-from raydp_train.targets import LABEL_KINDS, LabelKind, label_kind
+from raydp_train.targets import label_kind
+from raydp_train.train import evaluation
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
 from raydp_train.train.engine_checks import EngineChecks
 from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
+from raydp_train.train.result import TrainResult
 from raydp_train.train.step import AUTOCAST_DTYPES, private_step
 from raydp_train.train.threads import use_threads
 
 # Seconds between progress lines within an epoch (SST-2 epochs take minutes).
 PROGRESS_EVERY_S = 30.0
-
-
-@dataclass
-class TrainResult:
-    model: nn.Module
-    metrics: list[dict] = field(default_factory=list)  # one row per epoch
-    noise_mode: str = "fast"  # privacy.noise.NOISE_SOURCES says what each mode is
-    steps_done: int = 0  # steps of the finished run
-    steps_charged: int = 0  # steps charged to the privacy account, restarts included
-    releases_charged: int = 0  # noisy validation-metric releases charged
-    stop: StopReason = StopReason.COMPLETED  # or why the run stopped early
-    stop_reason: str = "completed"  # as shown: "budget exhausted: <the accountant's reason>"
-    checksums: list[str] = field(default_factory=list)  # one per rank: all equal
-    # Numbers trained (= all-reduced) per step: LSG's kept carrier entries + other params.
-    trained_per_step: int = 0
-    model_parameters: int = 0
-    # std of the last step's reduced (noise + clipped) sum over its trained entries: about
-    # sigma*C when the noise dominates; sqrt(W) times that if noise were added per worker.
-    final_step_sum_std: float = float("nan")
-    baselines: dict = field(default_factory=dict)  # Dataset.accuracy_baselines()
-    shard_sizes: list[int] = field(default_factory=list)  # training rows each rank held
-    peak_rss_mb: list[float] = field(default_factory=list)  # each rank's, at the end
-    data_mb: list[float] = field(default_factory=list)  # each rank's resident data, read
-    threads: list[int] = field(default_factory=list)  # each rank's torch threads
-    nodes: list[str] = field(default_factory=list)  # each rank's node (its IP address)
-    # Each rank's (engine self-checks run, their seconds): privacy.self_check's cost.
-    self_checks: list[tuple[int, float]] = field(default_factory=list)
-    data_shape: tuple = ()  # (one example's feature shape, classes): what rebuilds the model
-    ray_result: object = None  # Ray Train's Result of the fit (set on the driver)
 
 
 def _shared_seed(pipeline, context) -> int:
@@ -94,124 +63,189 @@ def train(
     split in memory by the driver) or of the data it loads itself (ARCHITECTURE.md §2.10).
     `after_step(context, step)` runs on every rank after each step (tests inject faults).
     """
-    rank = context.rank
-    seed, training = pipeline.run.seed, pipeline.training
-    threads = use_threads(training.threads_per_worker, context.sharing)
-    before = resident_mb()
-    local = _local_rows(pipeline, context, dataset, data_shape)
-    data_mb = resident_mb() - before  # what holding this rank's rows costs
-    if seed is not None:
-        torch.manual_seed(seed)  # model initialization, reproducible only on request
-    model = build_model(pipeline.model, local.feature_shape, local.num_classes)
-    model = model.to(context.device)
-    context.broadcast_parameters(model)
-    shared_seed = _shared_seed(pipeline, context)
-    mechanism = _mechanism(pipeline, shared_seed)
-    clipper = mechanism.attach(model, plan.clip_norm)  # may freeze what the mechanism does not train
-    optimizer = make_optimizer(model, training)
-    schedule = make_schedule(optimizer, training, plan.steps)  # counts logical steps
-    noise_generator, noise_mode = make_noise_generator(pipeline.run.noise, seed, context.device)
-    # Rank 0 alone draws the noise: ONE draw of std sigma*C per step for the whole world.
-    std = mechanism.noise_std(plan.noise_multiplier, plan.clip_norm) if rank == 0 else 0.0
-    sampling_generator, _ = make_generator(None if seed is None else seed + 1 + rank)
-    engine_checks = EngineChecks(pipeline.privacy.self_check, shared_seed + 1, context.gather,
-                                 AUTOCAST_DTYPES[training.precision])
-
-    kind = None if is_causal_lm(pipeline.model) else label_kind(pipeline.data)
-    result = TrainResult(model=model, noise_mode=noise_mode,
-                         data_shape=(list(local.feature_shape), local.num_classes),
-                         baselines={} if kind is None else _baselines(local, kind, context),
-                         shard_sizes=context.gather(local.num_train),
-                         data_mb=context.gather(round(data_mb, 1)),
-                         threads=context.gather(threads), nodes=context.gather(context.node))
-    step, first_epoch = 0, 1
-    state = context.restore()
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        step, first_epoch, result.metrics = state["step"], state["epoch"] + 1, state["metrics"]
-        mechanism.refresh(step, first_epoch, force=True)  # state of the restored weights
-    # After the restore: the cache holds what this rank's model computes, frozen from now on.
-    per_example_loss, prefix_outputs, score = _loss_and_score(pipeline, model, local, kind)
-
-    def evaluate(split: str) -> list[float]:
-        """The label kind's sums (e.g. correct, rows), or (token loss sum, tokens) of a
-        causal LM, of `split` over every rank's rows."""
-        sums = torch.tensor(score(model, split), dtype=torch.float64, device=context.device)
-        context.all_reduce_sum(sums)
-        return sums.tolist()
-
-    ends = epoch_ends(training.epochs, plan.expected_batch_size, plan.num_examples)
-    started = time.monotonic()
-    for epoch in range(first_epoch, len(ends) + 1):
-        # Write-ahead: the epoch's steps are granted and on record before any noisy gradient
-        # exists. A refusal from the global budget stops the run at the last checkpoint.
-        epoch_charge = Charged(ends[epoch - 1] - step, plan.releases_per_epoch)
-        try:
-            charged = context.charge(epoch_charge, epoch, step)
-        except ChargeRefused as refusal:
-            result.stop, result.stop_reason = refusal.stop, str(refusal)
+    run = WorkerRun.setup(pipeline, plan, context, dataset, data_shape)
+    ends = epoch_ends(pipeline.training.epochs, plan.expected_batch_size, plan.num_examples)
+    for epoch in range(run.first_epoch, len(ends) + 1):
+        if not run.train_epoch(epoch, ends[epoch - 1], after_step):
             break
-        model.train()
+    return run.finish()
+
+
+class WorkerRun:
+    """One rank's run: its rows, model, mechanism, optimizer, noise and sampling, and where
+    it stands (step, result). Every rank makes the same collective calls in the same order."""
+
+    # Set by `setup`, after the pieces `__init__` makes:
+    result: TrainResult
+    loss: Callable  # the per-example training loss
+    prefix_outputs: torch.Tensor | None  # the frozen prefix's cached outputs, if cached
+    score: Callable  # (model, split) -> this rank's sums of the split
+    started: float  # when the first epoch began (time.monotonic)
+
+    def __init__(self, pipeline, plan: PrivacyPlan, context, local: Dataset, model: nn.Module):
+        seed, training = pipeline.run.seed, pipeline.training
+        self.pipeline, self.plan, self.context, self.local, self.model = (
+            pipeline, plan, context, local, model)
+        shared_seed = _shared_seed(pipeline, context)
+        self.mechanism = _mechanism(pipeline, shared_seed)
+        # May freeze what the mechanism does not train.
+        self.clipper = self.mechanism.attach(model, plan.clip_norm)
+        self.optimizer = make_optimizer(model, training)
+        self.schedule = make_schedule(self.optimizer, training, plan.steps)  # logical steps
+        self.noise_generator, self.noise_mode = make_noise_generator(pipeline.run.noise, seed,
+                                                                     context.device)
+        # Rank 0 alone draws the noise: ONE draw of std sigma*C per step for the whole world.
+        self.std = (self.mechanism.noise_std(plan.noise_multiplier, plan.clip_norm)
+                    if context.rank == 0 else 0.0)
+        self.sampling_generator, _ = make_generator(
+            None if seed is None else seed + 1 + context.rank)
+        self.engine_checks = EngineChecks(pipeline.privacy.self_check, shared_seed + 1,
+                                          context.gather, AUTOCAST_DTYPES[training.precision])
+        self.kind = None if is_causal_lm(pipeline.model) else label_kind(pipeline.data)
+        self.step, self.first_epoch = 0, 1
+
+    @classmethod
+    def setup(cls, pipeline, plan: PrivacyPlan, context, dataset, data_shape) -> WorkerRun:
+        """This rank's rows and model (rank 0's initialization), the run's pieces, and the
+        state of the last checkpoint when Ray Train restarted it."""
+        threads = use_threads(pipeline.training.threads_per_worker, context.sharing)
+        before = resident_mb()
+        local = _local_rows(pipeline, context, dataset, data_shape)
+        data_mb = resident_mb() - before  # what holding this rank's rows costs
+        if pipeline.run.seed is not None:
+            torch.manual_seed(pipeline.run.seed)  # initialization, reproducible on request
+        model = build_model(pipeline.model, local.feature_shape, local.num_classes)
+        model = model.to(context.device)
+        context.broadcast_parameters(model)
+        run = cls(pipeline, plan, context, local, model)
+        run.result = TrainResult(
+            model=model, noise_mode=run.noise_mode,
+            data_shape=(list(local.feature_shape), local.num_classes),
+            baselines=({} if run.kind is None
+                       else evaluation.test_baselines(local, run.kind, context)),
+            shard_sizes=context.gather(local.num_train),
+            data_mb=context.gather(round(data_mb, 1)),
+            threads=context.gather(threads), nodes=context.gather(context.node))
+        run.restore()
+        # After the restore: the cache holds what this rank's model computes, frozen now.
+        run.loss, run.prefix_outputs, run.score = evaluation.loss_and_score(
+            pipeline, model, local, run.kind)
+        run.started = time.monotonic()
+        return run
+
+    def restore(self) -> None:
+        """Continue from the context's checkpoint, if it has one."""
+        state = self.context.restore()
+        if state is None:
+            return
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.step, self.first_epoch = state["step"], state["epoch"] + 1
+        self.result.metrics = state["metrics"]
+        self.mechanism.refresh(self.step, self.first_epoch, force=True)  # restored weights
+
+    def train_epoch(self, epoch: int, end: int, after_step=None) -> bool:
+        """Charge the epoch, run its steps up to `end`, score, report a checkpoint; False
+        when the budget refused the epoch (the run stops at the last checkpoint)."""
+        # Write-ahead: the epoch's steps are granted and on record before any noisy gradient
+        # exists.
+        epoch_charge = Charged(end - self.step, self.plan.releases_per_epoch)
+        try:
+            charged = self.context.charge(epoch_charge, epoch, self.step)
+        except ChargeRefused as refusal:
+            self.result.stop, self.result.stop_reason = refusal.stop, str(refusal)
+            return False
+        loss_sum, seen = self._steps(epoch, end, after_step)
+        row = self._epoch_row(epoch, charged, loss_sum, seen)
+        self.context.settle(epoch_charge)
+        self.result.metrics.append(row)
+        self.context.report(row, _checkpoint_state(self.model, self.optimizer, self.schedule,
+                                                   epoch, self.step, self.result.metrics))
+        return True
+
+    def _steps(self, epoch: int, end: int, after_step) -> tuple[float, int]:
+        """The DP steps up to `end`; (loss sum, examples) of this rank's samples."""
+        plan, context, training = self.plan, self.context, self.pipeline.training
+        self.model.train()
         loss_sum, seen = 0.0, 0
         epoch_start = shown = time.monotonic()
-        first_step = step
-        while step < ends[epoch - 1]:
-            mechanism.refresh(step, epoch)
-            sample = poisson_sample(local.num_train, plan.sampling_rate, sampling_generator)
-            batches = _micro_batches(local, sample, prefix_outputs,
+        first_step = self.step
+        while self.step < end:
+            self.mechanism.refresh(self.step, epoch)
+            sample = poisson_sample(self.local.num_train, plan.sampling_rate,
+                                    self.sampling_generator)
+            batches = _micro_batches(self.local, sample, self.prefix_outputs,
                                      training.max_physical_batch, context.device)
-            context.releasing_step(step)  # on record before its noisy gradient can leave
+            context.releasing_step(self.step)  # on record before its noisy gradient can leave
             stats = private_step(
-                model, clipper, optimizer, batches, per_example_loss, std,
-                plan.expected_batch_size, noise_generator, context.all_reduce_sum, mechanism,
-                training.precision, engine_checks,
+                self.model, self.clipper, self.optimizer, batches, self.loss, self.std,
+                plan.expected_batch_size, self.noise_generator, context.all_reduce_sum,
+                self.mechanism, training.precision, self.engine_checks,
             )
-            schedule.step()  # once per logical step, whatever its number of micro-batches
-            loss_sum, seen, step = loss_sum + stats.loss_sum, seen + stats.num_examples, step + 1
+            self.schedule.step()  # once per logical step, whatever its micro-batches
+            loss_sum, seen = loss_sum + stats.loss_sum, seen + stats.num_examples
+            self.step += 1
             if after_step is not None:
-                after_step(context, step)
+                after_step(context, self.step)
             if time.monotonic() - shown >= PROGRESS_EVERY_S:  # a long epoch: where it is
                 shown = time.monotonic()
-                context.show_progress({"epoch": epoch, "step": step, "first_step": first_step,
-                                       "last_step": ends[epoch - 1],
+                context.show_progress({"epoch": epoch, "step": self.step,
+                                       "first_step": first_step, "last_step": end,
                                        "epoch_elapsed_s": shown - epoch_start})
+        return loss_sum, seen
+
+    def _epoch_row(self, epoch: int, charged: Charged, loss_sum: float, seen: int) -> dict:
+        """The epoch's metrics, over every rank: training loss, test metrics, epsilon, and the
+        validation accuracy as released (charged before it is computed)."""
+        plan, context = self.plan, self.context
         totals = torch.tensor([loss_sum, seen], dtype=torch.float64, device=context.device)
         context.all_reduce_sum(totals)
         row = {
             "epoch": epoch,
-            "steps": step,
+            "steps": self.step,
             "steps_charged": charged.steps,
             "examples_seen": int(totals[1]),
             "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
-            **held_out_metrics(kind, evaluate("test")),
+            **evaluation.held_out_metrics(self.kind, self._evaluate("test")),
             "epsilon": plan.epsilon(charged.steps, releases=charged.releases),
-            "elapsed_s": time.monotonic() - started,
-            "lr": training.lr * schedule_scale(optimizer),  # training.lr as scheduled
+            "elapsed_s": time.monotonic() - self.started,
+            # training.lr as scheduled
+            "lr": self.pipeline.training.lr * schedule_scale(self.optimizer),
         }
-        if pipeline.run.loggers and rank == 0:
+        if self.pipeline.run.loggers and context.rank == 0:
             row.update(tracked_privacy(plan, charged, context.account.budget))
-        if local.validation_labels is not None:
+        if self.local.validation_labels is not None:
             context.releasing_metric(epoch)
+            counts = self.kind.released_count(self._evaluate("validation"))
             row["validation_accuracy"] = context.gather(
-                released_accuracy(*kind.released_count(evaluate("validation")), plan,
-                                  noise_generator))[0]
-        context.settle(epoch_charge)
-        result.metrics.append(row)
-        context.report(row, _checkpoint_state(model, optimizer, schedule, epoch, step,
-                                              result.metrics))
-    trained = mechanism.trained(clipper)
-    result.final_step_sum_std = trained.std().item() * plan.expected_batch_size
-    clipper.close()
-    charged = context.charged()
-    result.steps_done, result.steps_charged, result.releases_charged = step, *charged
-    result.trained_per_step = trained.numel()
-    result.self_checks = context.gather((engine_checks.count, round(engine_checks.seconds, 3)))
-    result.model_parameters = sum(p.numel() for p in model.parameters())
-    result.checksums = context.gather(parameter_checksum(model))
-    result.peak_rss_mb = context.gather(peak_rss_mb())
-    return result
+                evaluation.released_accuracy(*counts, plan, self.noise_generator))[0]
+        return row
+
+    def _evaluate(self, split: str) -> list[float]:
+        """The label kind's sums (e.g. correct, rows), or (token loss sum, tokens) of a
+        causal LM, of `split` over every rank's rows."""
+        sums = torch.tensor(self.score(self.model, split), dtype=torch.float64,
+                            device=self.context.device)
+        self.context.all_reduce_sum(sums)
+        return sums.tolist()
+
+    def finish(self) -> TrainResult:
+        """The result: what the last step trained, the steps and releases charged, and each
+        rank's checks, checksum and memory."""
+        result, context = self.result, self.context
+        trained = self.mechanism.trained(self.clipper)
+        result.final_step_sum_std = trained.std().item() * self.plan.expected_batch_size
+        self.clipper.close()
+        charged = context.charged()
+        result.steps_done, result.steps_charged, result.releases_charged = self.step, *charged
+        result.trained_per_step = trained.numel()
+        result.self_checks = context.gather((self.engine_checks.count,
+                                             round(self.engine_checks.seconds, 3)))
+        result.model_parameters = sum(p.numel() for p in self.model.parameters())
+        result.checksums = context.gather(parameter_checksum(self.model))
+        result.peak_rss_mb = context.gather(peak_rss_mb())
+        return result
 
 
 def tracked_privacy(plan: PrivacyPlan, charged: Charged, budget) -> dict[str, float]:
@@ -242,62 +276,6 @@ def _local_rows(pipeline, context, dataset, data_shape):
     return dataset.rows(context.rank, context.world_size).to_torch()
 
 
-def _baselines(local: Dataset, kind: LabelKind, context) -> dict[str, float]:
-    """What a test metric must beat (chance, the test split's majority class, ...), from
-    every rank's sums of its test labels. Only the held-out test labels are read, which every
-    epoch scores without noise anyway: no training row is looked at, no privacy spent."""
-    sums = kind.baseline_sums(local.test_labels, local.num_classes).to(context.device)
-    context.all_reduce_sum(sums)
-    return kind.baselines(sums.tolist())
-
-
-def is_causal_lm(model_config) -> bool:
-    return getattr(model_config, "task", None) == "causal_lm"
-
-
-def held_out_metrics(kind: LabelKind | None, totals: list[float]) -> dict[str, float]:
-    """The label kind's test metrics from its sums (a classifier's accuracy from (correct,
-    rows)); a causal LM's (kind None) held-out loss per token and its perplexity exp(loss)
-    from (token loss sum, tokens)."""
-    if kind is not None:
-        return kind.metrics(totals, "test")
-    loss = totals[0] / max(totals[1], 1)
-    return {"test_loss": loss, "test_perplexity": math.exp(min(loss, 700.0))}
-
-
-def _loss_and_score(pipeline, model: nn.Module, local: Dataset, kind: LabelKind | None):
-    """(per-example loss, cached prefix outputs or None, score(model, split)): a causal LM's
-    next-token loss and held-out token losses, or those of the labels' kind
-    (`_frozen_prefix_cache`)."""
-    if kind is not None:
-        return _frozen_prefix_cache(pipeline.training, pipeline.model, model, local, kind)
-    splits = {"test": local.test_features, "validation": local.validation_features}
-    return (causal_lm_loss(pipeline.model.loss_reduction), None,
-            lambda model, split: token_loss_sum(model, splits[split]))
-
-
-def _frozen_prefix_cache(training, model_config, model: nn.Module, local: Dataset,
-                         kind: LabelKind):
-    """(per-example loss, outputs of the frozen prefix for this rank's training rows or None,
-    score(model, split) -> the kind's sums on this rank's rows of the split): with
-    training.cache_frozen_prefix the frozen bottom layers run once per example (hf_prefix),
-    the test and validation rows' too, so each epoch's scoring runs only the trained top."""
-    splits = {"test": (local.test_features, local.test_labels),
-              "validation": (local.validation_features, local.validation_labels)}
-    if not training.cache_frozen_prefix:
-        return (training_loss(model_config, kind), None,
-                lambda model, split: held_out_sums(model, *splits[split], kind))
-    prefix = FrozenPrefix(model)
-    hidden = {split: prefix.outputs(model, features)
-              for split, (features, _) in splits.items() if features is not None}
-
-    def score(model: nn.Module, split: str) -> list[float]:
-        features, labels = splits[split]
-        return held_out_sums(model, (features, hidden[split]), labels, kind, prefix)
-
-    return cached_prefix_loss(prefix), prefix.outputs(model, local.train_features), score
-
-
 def _micro_batches(local: Dataset, sample, prefix_outputs, size: int, device):
     """(features, labels) of each micro-batch of the sampled rows `sample` of this rank; the
     features are (tokens, cached prefix outputs) when the frozen prefix is cached."""
@@ -318,42 +296,3 @@ def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
         "step": step,
         "metrics": list(metrics),
     }
-
-
-def released_accuracy(correct: int, rows: int, plan: PrivacyPlan, noise_generator) -> float:
-    """Validation accuracy as released: (correct + N(0, sigma_r^2)) / rows when the rows are
-    private and a release noise is set (a count changes by at most 1 per example)."""
-    released = float(correct)
-    if plan.release_noise_multiplier > 0:
-        noise = torch.empty(1, device=noise_generator.device)
-        fill_gaussian_noise_(noise, plan.release_noise_multiplier, noise_generator)
-        released += noise.item()
-    return released / max(rows, 1)
-
-
-def accuracy(model: nn.Module, features, labels: torch.Tensor) -> float:
-    """Share of the class ids `labels` predicted."""
-    correct, rows = held_out_sums(model, features, labels, LABEL_KINDS["class"])
-    return correct / max(rows, 1)
-
-
-@torch.no_grad()
-def held_out_sums(model: nn.Module, features, labels: torch.Tensor, kind: LabelKind,
-                  prefix: FrozenPrefix | None = None) -> list[float]:
-    """`kind`'s sums (for class ids: labels predicted, rows) over the rows; `features` are
-    (tokens, cached prefix outputs) with a `prefix`, whose frozen layers then do not run
-    again."""
-    model.eval()
-    device = next(model.parameters()).device
-    sums = [0.0] * kind.sums
-    for start in range(0, len(labels), 1024):
-        rows = slice(start, start + 1024)
-        if prefix is None:
-            logits = model(features[rows].to(device))
-        else:
-            tokens, hidden = features
-            with prefix.skipped(hidden[rows].to(device)):
-                logits = model(tokens[rows].to(device))
-        batch = kind.score(logits.cpu(), labels[rows])
-        sums = [total + value for total, value in zip(sums, batch, strict=True)]
-    return sums

@@ -1,0 +1,110 @@
+"""Scoring held-out rows on a worker: a task's per-example loss and score (a label kind's
+sums, or a causal LM's token losses; with the frozen prefix cached or not), the test metrics
+and baselines, and the validation accuracy as released with noise (ARCHITECTURE.md §2.5,
+§2.12). Every sum is this rank's; the worker all-reduces them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from raydp_train.custom_models import training_loss
+from raydp_train.data import Dataset
+from raydp_train.hf_causal import causal_lm_loss, token_loss_sum
+from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
+from raydp_train.plan import PrivacyPlan
+from raydp_train.privacy.noise import fill_gaussian_noise_
+from raydp_train.targets import LABEL_KINDS, LabelKind
+
+
+def test_baselines(local: Dataset, kind: LabelKind, context) -> dict[str, float]:
+    """What a test metric must beat (chance, the test split's majority class, ...), from
+    every rank's sums of its test labels. Only the held-out test labels are read, which every
+    epoch scores without noise anyway: no training row is looked at, no privacy spent."""
+    sums = kind.baseline_sums(local.test_labels, local.num_classes).to(context.device)
+    context.all_reduce_sum(sums)
+    return kind.baselines(sums.tolist())
+
+
+def held_out_metrics(kind: LabelKind | None, totals: list[float]) -> dict[str, float]:
+    """The label kind's test metrics from its sums (a classifier's accuracy from (correct,
+    rows)); a causal LM's (kind None) held-out loss per token and its perplexity exp(loss)
+    from (token loss sum, tokens)."""
+    if kind is not None:
+        return kind.metrics(totals, "test")
+    loss = totals[0] / max(totals[1], 1)
+    return {"test_loss": loss, "test_perplexity": math.exp(min(loss, 700.0))}
+
+
+def loss_and_score(pipeline, model: nn.Module, local: Dataset, kind: LabelKind | None):
+    """(per-example loss, cached prefix outputs or None, score(model, split)): a causal LM's
+    next-token loss and held-out token losses, or those of the labels' kind
+    (`_frozen_prefix_cache`)."""
+    if kind is not None:
+        return _frozen_prefix_cache(pipeline.training, pipeline.model, model, local, kind)
+    splits = {"test": local.test_features, "validation": local.validation_features}
+    return (causal_lm_loss(pipeline.model.loss_reduction), None,
+            lambda model, split: token_loss_sum(model, splits[split]))
+
+
+def _frozen_prefix_cache(training, model_config, model: nn.Module, local: Dataset,
+                         kind: LabelKind):
+    """(per-example loss, outputs of the frozen prefix for this rank's training rows or None,
+    score(model, split) -> the kind's sums on this rank's rows of the split): with
+    training.cache_frozen_prefix the frozen bottom layers run once per example (hf_prefix),
+    the test and validation rows' too, so each epoch's scoring runs only the trained top."""
+    splits = {"test": (local.test_features, local.test_labels),
+              "validation": (local.validation_features, local.validation_labels)}
+    if not training.cache_frozen_prefix:
+        return (training_loss(model_config, kind), None,
+                lambda model, split: held_out_sums(model, *splits[split], kind))
+    prefix = FrozenPrefix(model)
+    hidden = {split: prefix.outputs(model, features)
+              for split, (features, _) in splits.items() if features is not None}
+
+    def score(model: nn.Module, split: str) -> list[float]:
+        features, labels = splits[split]
+        return held_out_sums(model, (features, hidden[split]), labels, kind, prefix)
+
+    return cached_prefix_loss(prefix), prefix.outputs(model, local.train_features), score
+
+
+def released_accuracy(correct: int, rows: int, plan: PrivacyPlan, noise_generator) -> float:
+    """Validation accuracy as released: (correct + N(0, sigma_r^2)) / rows when the rows are
+    private and a release noise is set (a count changes by at most 1 per example)."""
+    released = float(correct)
+    if plan.release_noise_multiplier > 0:
+        noise = torch.empty(1, device=noise_generator.device)
+        fill_gaussian_noise_(noise, plan.release_noise_multiplier, noise_generator)
+        released += noise.item()
+    return released / max(rows, 1)
+
+
+def accuracy(model: nn.Module, features, labels: torch.Tensor) -> float:
+    """Share of the class ids `labels` predicted."""
+    correct, rows = held_out_sums(model, features, labels, LABEL_KINDS["class"])
+    return correct / max(rows, 1)
+
+
+@torch.no_grad()
+def held_out_sums(model: nn.Module, features, labels: torch.Tensor, kind: LabelKind,
+                  prefix: FrozenPrefix | None = None) -> list[float]:
+    """`kind`'s sums (for class ids: labels predicted, rows) over the rows; `features` are
+    (tokens, cached prefix outputs) with a `prefix`, whose frozen layers then do not run
+    again."""
+    model.eval()
+    device = next(model.parameters()).device
+    sums = [0.0] * kind.sums
+    for start in range(0, len(labels), 1024):
+        rows = slice(start, start + 1024)
+        if prefix is None:
+            logits = model(features[rows].to(device))
+        else:
+            tokens, hidden = features
+            with prefix.skipped(hidden[rows].to(device)):
+                logits = model(tokens[rows].to(device))
+        batch = kind.score(logits.cpu(), labels[rows])
+        sums = [total + value for total, value in zip(sums, batch, strict=True)]
+    return sums
