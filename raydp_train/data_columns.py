@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raydp_train.arrow_numbers import numbers_as_numpy
 from raydp_train.errors import DataError
 from raydp_train.targets import label_kind
 
@@ -62,20 +63,7 @@ def _numeric(column: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:
         raise DataError(f"data: column '{name}' in {path} is {column.type}, expected numbers")
     if column.null_count:
         raise DataError(f"data: column '{name}' in {path} has {column.null_count} null values")
-    return _buffers_as_numpy(column).astype(np.float64)
-
-
-# Arrow's floating types by name; its integer types are named as numpy's.
-_ARROW_FLOATS = {"halffloat": np.float16, "float": np.float32, "double": np.float64}
-
-
-def _buffers_as_numpy(column: pa.ChunkedArray) -> np.ndarray:
-    """A column of numbers without nulls, read from its data buffers: pyarrow's own to_numpy
-    imports pandas, half a second of validate's time."""
-    dtype = np.dtype(_ARROW_FLOATS.get(str(column.type), str(column.type)))
-    parts = [np.frombuffer(chunk.buffers()[1], dtype, len(chunk), chunk.offset * dtype.itemsize)
-             for chunk in column.chunks]
-    return np.concatenate(parts) if parts else np.empty(0, dtype)
+    return numbers_as_numpy(column).astype(np.float64)
 
 
 def text_labels(source: pa.Table | pq.ParquetFile, rows: int, path: Path, config) -> np.ndarray:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from raydp_train.arrow_numbers import numbers_as_numpy
 from raydp_train.errors import DataError
 
 
@@ -64,7 +65,7 @@ class ClassIds(LabelKind):
         if column.null_count:
             raise DataError(f"data: column '{name}' in {path} has {column.null_count} null "
                             "values")
-        return _numbers(column).astype(np.int64)
+        return numbers_as_numpy(column).astype(np.int64)
 
     def width(self, splits, given, field, config=None):
         """K: `data.label_names`' length, the model's field, or 1 + the largest label,
@@ -227,8 +228,10 @@ def _number_rows(column: pa.ChunkedArray, path: Path, name: str, expected: str) 
     if column.null_count:
         raise DataError(f"{problem} has {column.null_count} null values")
     kind = column.type
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
-        values = _numbers(column).astype(np.float64).reshape(-1, 1)
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        values = numbers_as_numpy(column).astype(np.float64).reshape(-1, 1)
+    elif pa.types.is_boolean(kind):  # bits, not bytes: no buffer to read as numbers
+        values = np.asarray(column.to_pylist(), dtype=np.float64).reshape(-1, 1)
     elif pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(
             kind):
         try:
@@ -242,11 +245,6 @@ def _number_rows(column: pa.ChunkedArray, path: Path, name: str, expected: str) 
     if not np.isfinite(values).all():
         raise DataError(f"{problem} has NaN or infinite values")
     return values.astype(np.float32)
-
-
-def _numbers(column: pa.ChunkedArray) -> np.ndarray:
-    parts = [chunk.to_numpy(zero_copy_only=False) for chunk in column.chunks]
-    return np.concatenate(parts) if parts else np.empty(0)
 
 
 def _is_string(kind: pa.DataType) -> bool:

@@ -184,13 +184,13 @@ def test_cnn_trains_privately_on_digits():
 @pytest.mark.parametrize("kind", ["int8", "int32", "int64", "uint16", "float16", "float32",
                                   "float64"])
 def test_numbers_read_from_arrow_buffers_equal_pyarrow_s_own(kind):
-    from raydp_train.data_columns import _buffers_as_numpy
+    from raydp_train.arrow_numbers import numbers_as_numpy
 
     arrow_type = pa.from_numpy_dtype(np.dtype(kind))
     values = np.arange(1, 8).astype(kind)
     # Several chunks, one a slice (its data starts at an offset into its buffer).
     column = pa.chunked_array([pa.array(values[:3], arrow_type),
                                pa.array(values[2:], arrow_type).slice(1)])
-    got = _buffers_as_numpy(column)
+    got = numbers_as_numpy(column)
     assert got.dtype == np.dtype(kind)
     np.testing.assert_array_equal(got, column.to_numpy())
