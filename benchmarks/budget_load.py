@@ -27,11 +27,11 @@ import pyarrow.parquet as pq
 import ray
 import yaml
 
-from raydp_train.budget_actor import actor_name
+from raydp_train.budget.actor import actor_name
+from raydp_train.budget.book import NAMESPACE, replay
+from raydp_train.budget.ledger_reading import ledger_rows
 from raydp_train.config.pipeline import pipeline_from_dict
-from raydp_train.privacy.budget import NAMESPACE, replay
-from raydp_train.privacy.ledger_reading import ledger_rows
-from raydp_train.sweeps import run_sweep
+from raydp_train.sweeps.runner import run_sweep
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_overhead import write_section

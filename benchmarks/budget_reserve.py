@@ -19,11 +19,11 @@ from pathlib import Path
 
 import ray
 
-from raydp_train.budget_actor import open_budget
+from raydp_train.budget.actor import open_budget
+from raydp_train.budget.book import replay
+from raydp_train.budget.ledger import BudgetLedger
+from raydp_train.budget.terms import BudgetTerms, Spend
 from raydp_train.config.sweep import BudgetConfig
-from raydp_train.privacy.budget import replay
-from raydp_train.privacy.budget_terms import BudgetTerms, Spend
-from raydp_train.privacy.ledger import BudgetLedger
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_overhead import cpu_wait_seconds, write_section

@@ -1,6 +1,6 @@
 """Memory of a text fine-tune as the data grows and the workers multiply: peak RSS of the
 driver and of each Ray Train worker, with the training split read as Ray Data shards
-(data_shards.py) and, for contrast, split in memory by the driver.
+(data/shards.py) and, for contrast, split in memory by the driver.
 
     .venv/bin/python benchmarks/data_scaling.py                    (about 15 minutes on 2 cores)
 

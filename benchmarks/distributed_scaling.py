@@ -17,9 +17,9 @@ import ray
 import torch
 
 from raydp_train.config.pipeline import pipeline_from_dict
-from raydp_train.data import load_data
-from raydp_train.models import build_model
-from raydp_train.plan import make_plan
+from raydp_train.data.sources import load_data
+from raydp_train.models.builders import build_model
+from raydp_train.train.plan import make_plan
 from raydp_train.train.trainer import ensure_ray, fit
 
 sys.path.insert(0, str(Path(__file__).parent))

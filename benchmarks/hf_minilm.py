@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import torch
 
 from raydp_train.config.pipeline import HFModel
-from raydp_train.hf import build_hf_model
-from raydp_train.hf_files import load_tokenizer
+from raydp_train.models.hf import build_hf_model
+from raydp_train.models.hf_files import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_overhead import (

@@ -24,7 +24,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raydp_train.config.pipeline import pipeline_from_dict
-from raydp_train.hf_causal import IGNORED, build_causal_lm, causal_lm_loss, next_token_targets
+from raydp_train.models.hf_causal import (
+    IGNORED,
+    build_causal_lm,
+    causal_lm_loss,
+    next_token_targets,
+)
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.train.step import private_step

@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from prefix_cache import tokenized
 
 from raydp_train.config.pipeline import load_pipeline
-from raydp_train.data import Dataset
-from raydp_train.models import build_model
-from raydp_train.plan import make_plan
+from raydp_train.data.sources import Dataset
+from raydp_train.models.builders import build_model
 from raydp_train.train.context import LocalContext
 from raydp_train.train.optim import named_trainable
+from raydp_train.train.plan import make_plan
 from raydp_train.train.worker import train
 
 ROOT = Path(__file__).resolve().parents[1]

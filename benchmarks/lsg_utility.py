@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from raydp_train.config.pipeline import load_pipeline
-from raydp_train.data import load_data
-from raydp_train.models import build_model
-from raydp_train.plan import make_plan
+from raydp_train.data.sources import load_data
+from raydp_train.models.builders import build_model
 from raydp_train.train.context import LocalContext
 from raydp_train.train.evaluation import accuracy
 from raydp_train.train.optim import make_optimizer
+from raydp_train.train.plan import make_plan
 from raydp_train.train.worker import train
 
 sys.path.insert(0, str(Path(__file__).parent))

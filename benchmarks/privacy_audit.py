@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/privacy_audit.py          # full run, about 2 minutes on 2 cores
     .venv/bin/python benchmarks/privacy_audit.py --quick  # smoke run, 8 runs a side; writes nothing
 
-Each row is one `audit_pipeline` (raydp_train/canary_audit.py): N training runs of the real DP-SGD engine
+Each row is one `audit_pipeline` (raydp_train/commands/audit.py): N training runs of the real DP-SGD engine
 with a Dirac canary and N without, a likelihood-ratio membership test whose threshold is chosen
 on half of the runs, and a Clopper-Pearson lower bound on epsilon from its counts on the other
 half. An honest engine must stay at or below its claim. The last row disables the noise on
@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from raydp_train.canary_audit import AuditResult, audit_pipeline
+from raydp_train.accounting.audit_bounds import epsilon_lower_bound
+from raydp_train.checks.preflight import check_pipeline
+from raydp_train.commands.audit import AuditResult, audit_pipeline
 from raydp_train.config.pipeline import load_pipeline, pipeline_from_dict
-from raydp_train.preflight import check_pipeline
-from raydp_train.privacy.audit_bounds import epsilon_lower_bound
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_overhead import write_section
@@ -92,7 +92,7 @@ def table(rows: list[tuple[str, AuditResult]], total_s: float) -> list[str]:
         "",
         "Command: `.venv/bin/python benchmarks/privacy_audit.py` (from the repository root)",
         "",
-        (f"`raydp_train.canary_audit.audit_pipeline`, seed {SEED} for every row: N runs of the real DP-SGD "
+        (f"`raydp_train.commands.audit.audit_pipeline`, seed {SEED} for every row: N runs of the real DP-SGD "
          "engine (in one process, 1 thread) with a Dirac canary and N without; the membership "
          "threshold is chosen on the first half of the runs, TPR/FPR are counted on the held-out "
          f"half, and the lower bound holds at {CONFIDENCE:.0%} confidence (Clopper-Pearson). "

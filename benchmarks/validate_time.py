@@ -70,7 +70,7 @@ def section(rows: list[dict]) -> str:
         "transformers.BertForSequenceClassification\"`), run in a forked process beside the "
         "data checks. `run` always makes these checks before anything is spent."),
         ("- Before (session 9), validate built the model every time: 6.2-8.1 s for a model's "
-         "first validate, 2.1-3.8 s when its check had passed before (`passed_checks.py`)."),
+         "first validate, 2.1-3.8 s when its check had passed before (`checks/passed.py`)."),
     ]
     return "\n".join(lines) + "\n"
 

@@ -16,10 +16,10 @@ _EXPORTS = {
     "tune": "raydp_train.api",
     "RunResult": "raydp_train.api",
     "open_budget": "raydp_train.api",
-    "PrivateStep": "raydp_train.own_loop",
-    "BudgetExhausted": "raydp_train.own_loop",
-    "load_model": "raydp_train.predictions",
-    "predict": "raydp_train.predictions",
+    "PrivateStep": "raydp_train.train.own_loop",
+    "BudgetExhausted": "raydp_train.train.own_loop",
+    "load_model": "raydp_train.models.predictions",
+    "predict": "raydp_train.models.predictions",
     "UserError": "raydp_train.errors",
 }
 __all__ = list(_EXPORTS)

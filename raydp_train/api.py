@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raydp_train.commands.console import epoch_printer, progress_printer
 from raydp_train.config.pipeline import Pipeline, PipelineError, dump_pipeline
-from raydp_train.console import epoch_printer, progress_printer
 from raydp_train.reports.trackers import check_loggers
-from raydp_train.stops import StopReason
+from raydp_train.train.stops import StopReason
 
 # The stop reason of a run a second Ctrl-C ended at once, inside an epoch.
 ABORTED = "interrupted at once by a second Ctrl-C: the epoch that was running stays counted"
@@ -62,7 +62,7 @@ class RunResult:
 
     @property
     def model(self) -> Path | None:
-        """The released model's state dict (load it with raydp_train.predictions.load_model)."""
+        """The released model's state dict (load it with raydp_train.models.predictions.load_model)."""
         path = self.run_dir / "model.pt"
         return path if self.record is not None and path.is_file() else None
 
@@ -88,7 +88,7 @@ def validate(pipeline: Pipeline, *, check_model: bool = False, address: str | No
              source: str = "<pipeline>") -> Plan:
     """Every check `run` makes before it spends, without Ray or a model's weights; the Plan.
     `address`: warn about paths a cluster's nodes would not share."""
-    from raydp_train.validation import spending
+    from raydp_train.checks.validation import spending
 
     plan = checked(pipeline, check_model=check_model, address=address, source=source)[1]
     return Plan(plan, **spending(pipeline, plan))
@@ -97,9 +97,9 @@ def validate(pipeline: Pipeline, *, check_model: bool = False, address: str | No
 def checked(pipeline: Pipeline, *, check_model: bool = False, address: str | None = None,
             source: str = "<pipeline>"):
     """validate's checks; (the Dataset as read, the PrivacyPlan)."""
-    from raydp_train.locations import check_locations, warn_if_not_shared
-    from raydp_train.preflight import check_pipeline
-    from raydp_train.ray_datasets import require_rows
+    from raydp_train.checks.preflight import check_pipeline
+    from raydp_train.data.ray_datasets import require_rows
+    from raydp_train.runs.locations import check_locations, warn_if_not_shared
 
     require_rows(pipeline, source)  # a ray_dataset pipeline gets its rows from run() alone
     check_locations(pipeline, source)
@@ -116,12 +116,12 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
     """Train the pipeline on Ray Train (joining `address`, else an embedded Ray) and write its
     run directory. An unfinished run of the same pipeline is continued (run.on_interrupted),
     unless `new`; `resume` names the one to continue. `datasets`: {"train": ray.data.Dataset,
-    "test": ...} for a pipeline with data.source ray_dataset (ray_datasets.py)."""
+    "test": ...} for a pipeline with data.source ray_dataset (data/ray_datasets.py)."""
     from raydp_train.reports.run import new_run_dir, privacy_statement, write_run_record
     from raydp_train.reports.trackers import RunTrackers
-    from raydp_train.reruns import driving
+    from raydp_train.runs.reruns import driving
+    from raydp_train.runs.worker_errors import explain
     from raydp_train.train.trainer import RunInterrupted, fit
-    from raydp_train.worker_errors import explain
 
     on_line = on_line or _silent
     epochs = pipeline.training.epochs
@@ -170,7 +170,7 @@ def _run_to_resume(pipeline: Pipeline, resume, new: bool, source: str, rerun_cho
                    on_line) -> Path | None:
     """The run directory `resume` names, else this pipeline's unfinished run (unless `new`),
     else None: a new run."""
-    from raydp_train.reruns import run_to_continue
+    from raydp_train.runs.reruns import run_to_continue
 
     if resume:
         return resumed_run_dir(resume, pipeline)
@@ -189,10 +189,10 @@ def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = Fals
     """Run the pipeline's `tune:` sweep, every trial spending from its one budget; the
     SweepResult (trials, best trial, its model), or None when the budget cannot pay a trial.
     `datasets`: as run's (the Ray Datasets already tie this driver to its Ray)."""
-    from raydp_train.locations import check_locations, warn_if_not_shared
-    from raydp_train.ray_datasets import with_ray_datasets
-    from raydp_train.resources import connect
-    from raydp_train.sweeps import run_sweep
+    from raydp_train.data.ray_datasets import with_ray_datasets
+    from raydp_train.runs.locations import check_locations, warn_if_not_shared
+    from raydp_train.runs.resources import connect
+    from raydp_train.sweeps.runner import run_sweep
 
     pipeline = with_ray_datasets(pipeline, datasets, source)
 
@@ -217,7 +217,7 @@ def open_budget(name: str, epsilon: float, delta: float, *, ledger: str | None =
     after `ray.init`; the terms are checked as a pipeline's `budget:` section's."""
     from pydantic import ValidationError
 
-    from raydp_train.budget_actor import open_budget as open_actor
+    from raydp_train.budget.actor import open_budget as open_actor
     from raydp_train.config.errors import describe
     from raydp_train.config.sweep import BudgetConfig
 
@@ -246,10 +246,10 @@ def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source:
                  datasets: dict | None):
     """Every check before anything is spent (preflight); Ray first: text is tokenized by Ray
     Data, and Ray Datasets are written as Parquet. (pipeline reading them, Dataset, plan)."""
-    from raydp_train.locations import check_locations, warn_if_not_shared
-    from raydp_train.preflight import check_pipeline
-    from raydp_train.ray_datasets import require_rows, with_ray_datasets
-    from raydp_train.resources import connect
+    from raydp_train.checks.preflight import check_pipeline
+    from raydp_train.data.ray_datasets import require_rows, with_ray_datasets
+    from raydp_train.runs.locations import check_locations, warn_if_not_shared
+    from raydp_train.runs.resources import connect
 
     if datasets is None:  # a ray_dataset pipeline without its rows: refused before Ray starts
         require_rows(pipeline, source)
@@ -279,8 +279,8 @@ def _python_choices(newest: Path) -> str:
 
 def _open_budget(pipeline: Pipeline, on_line):
     """The pipeline's global budget (created from this driver), or None; says its state."""
-    from raydp_train.budget_actor import open_budget
-    from raydp_train.privacy.ledger import as_uri
+    from raydp_train.budget.actor import open_budget
+    from raydp_train.budget.ledger import as_uri
     from raydp_train.reports.budget import status_text
 
     if pipeline.budget is None:

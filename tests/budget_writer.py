@@ -19,11 +19,11 @@ from pathlib import Path
 
 import ray
 
-from raydp_train.budget_actor import actor_name, open_budget
+from raydp_train.budget.accountant import BudgetAccountant
+from raydp_train.budget.actor import actor_name, open_budget
+from raydp_train.budget.book import NAMESPACE
+from raydp_train.budget.terms import BudgetTerms, Spend
 from raydp_train.config.sweep import BudgetConfig
-from raydp_train.privacy.budget import NAMESPACE
-from raydp_train.privacy.budget_accountant import BudgetAccountant
-from raydp_train.privacy.budget_terms import BudgetTerms, Spend
 from raydp_train.train.trainer import ensure_ray
 
 SPEND = Spend(0.02, 1.0, 200)

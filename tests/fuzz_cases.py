@@ -207,8 +207,8 @@ def run_training(case: Case) -> Outcome:
 
 def _charged_or_kept(case: Case) -> str:
     """A refused run must reserve nothing and keep no run directory."""
-    from raydp_train.privacy.ledger import LedgerError
-    from raydp_train.privacy.ledger_reading import ledger_rows
+    from raydp_train.budget.ledger import LedgerError
+    from raydp_train.budget.ledger_reading import ledger_rows
 
     raw = yaml.safe_load(case.pipeline.read_text())
     name = ((raw.get("budget") or {}) if isinstance(raw, dict) else {}).get("name")
@@ -224,7 +224,7 @@ def _charged_or_kept(case: Case) -> str:
 
 
 def _run_cli(argv: list[str], seconds: int) -> Outcome:
-    from raydp_train.cli import main
+    from raydp_train.commands.cli import main
 
     output = io.StringIO()
     previous = signal.signal(signal.SIGALRM, _alarm)

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from raydp_train.cli import EXIT_INTERRUPTED
+from raydp_train.commands.cli import EXIT_INTERRUPTED
 
 
 def ctrl_c_after(arguments: list[str], cwd: Path, line_start: str) -> str:

@@ -3,7 +3,7 @@
 import pytest
 from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent, pld, rdp
 
-from raydp_train.privacy.accounting import (
+from raydp_train.accounting.epsilon import (
     calibrate_noise_multiplier,
     dpsgd_event,
     epsilon_spent,

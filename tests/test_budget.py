@@ -12,11 +12,15 @@ import pyarrow as pa
 import pytest
 from dp_accounting import pld, rdp
 
-from raydp_train.privacy import exclusive_files
-from raydp_train.privacy.budget_accountant import BudgetAccountant
-from raydp_train.privacy.budget_terms import BudgetError, BudgetTerms, Spend
-from raydp_train.privacy.ledger import LedgerCorruptError, LedgerError
-from raydp_train.privacy.random_stopping import draw_trial_count, gamma_for_mean, trial_count_mean
+from raydp_train.accounting.random_stopping import (
+    draw_trial_count,
+    gamma_for_mean,
+    trial_count_mean,
+)
+from raydp_train.budget import exclusive_files
+from raydp_train.budget.accountant import BudgetAccountant
+from raydp_train.budget.ledger import LedgerCorruptError, LedgerError
+from raydp_train.budget.terms import BudgetError, BudgetTerms, Spend
 
 ACCOUNTANTS = {"rdp": rdp.RdpAccountant, "pld": pld.PLDAccountant}
 
@@ -240,8 +244,8 @@ def test_ledger_rows_use_the_parquet_schema(tmp_path):
 
 
 def test_the_ledger_records_the_mechanism_and_old_ledgers_replay(tmp_path):
-    from raydp_train.privacy.budget import replay
-    from raydp_train.privacy.ledger_reading import ledger_rows
+    from raydp_train.budget.book import replay
+    from raydp_train.budget.ledger_reading import ledger_rows
 
     budget = _accountant(tmp_path, epsilon=100.0)
     assert budget.reserve("a", "lsg-run", Spend(0.02, 1.2, 200, mechanism="lsg")).granted

@@ -15,9 +15,9 @@ import pytest
 from budget_writer import fits_alone
 from ray_head import BIN, isolated_env, stop_marked
 
-from raydp_train.privacy.budget import replay
-from raydp_train.privacy.budget_terms import Spend
-from raydp_train.privacy.ledger_reading import budget_status, ledger_rows
+from raydp_train.budget.book import replay
+from raydp_train.budget.ledger_reading import budget_status, ledger_rows
+from raydp_train.budget.terms import Spend
 
 ROOT = Path(__file__).parents[1]
 WRITER = Path(__file__).parent / "budget_writer.py"
@@ -81,7 +81,7 @@ def test_two_embedded_runs_started_together_grant_exactly_what_fits(tmp_path):
                  "budget.name=two-runs", f"budget.epsilon={epsilon}", "budget.delta=1e-5",
                  f"budget.ledger={tmp_path}/budgets", f"run.output_dir={tmp_path}/runs"]
     # --new: the same pipeline twice at once on purpose (otherwise the second, finding the
-    # first unfinished with its driver alive, would refuse: reruns.py)
+    # first unfinished with its driver alive, would refuse: runs/reruns.py)
     command = [str(BIN / "raydp-train"), "run", "pipelines/quickstart.yaml", "--new",
                *[part for override in overrides for part in ("--set", override)]]
     env = isolated_env(tmp_path)  # no RAY_ADDRESS: embedded, as a user runs it

@@ -8,15 +8,15 @@ import pytest
 import torch
 from dp_accounting import rdp
 
-from raydp_train.budget_actor import actor_name, open_budget
-from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
+from raydp_train.budget.actor import actor_name, open_budget
+from raydp_train.budget.book import NAMESPACE
+from raydp_train.budget.ledger import as_uri
+from raydp_train.budget.ledger_reading import ledger_rows
+from raydp_train.budget.terms import Spend
+from raydp_train.commands.cli import EXIT_BUDGET_EXHAUSTED, main
 from raydp_train.config.pipeline import load_pipeline
 from raydp_train.config.sweep import BudgetConfig
-from raydp_train.models import build_model
-from raydp_train.privacy.budget import NAMESPACE
-from raydp_train.privacy.budget_terms import Spend
-from raydp_train.privacy.ledger import as_uri
-from raydp_train.privacy.ledger_reading import ledger_rows
+from raydp_train.models.builders import build_model
 
 SPEND = Spend(0.02, 1.0, 50)
 

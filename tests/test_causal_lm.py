@@ -7,7 +7,7 @@ import torch
 from oracles import LAYOUTS, assert_exact_clipping_all_and_none, padded_tokens
 
 from raydp_train.config.pipeline import PipelineError, pipeline_from_dict
-from raydp_train.hf_causal import build_causal_lm, causal_lm_loss, token_loss_sum
+from raydp_train.models.hf_causal import build_causal_lm, causal_lm_loss, token_loss_sum
 
 transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 
@@ -146,8 +146,8 @@ def test_text_without_a_label_column_gets_placeholder_labels(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raydp_train.data import load_data
-    from raydp_train.hf_files import resolve_name_or_path
+    from raydp_train.data.sources import load_data
+    from raydp_train.models.hf_files import resolve_name_or_path
 
     pq.write_table(pa.table({"text": [f"line {i}" for i in range(10)]}), tmp_path / "t.parquet")
     pipeline = causal_pipeline(data={"path": str(tmp_path / "t.parquet")})
@@ -160,13 +160,13 @@ def test_text_without_a_label_column_gets_placeholder_labels(tmp_path):
 
 
 def test_a_causal_lm_reports_loss_and_perplexity_instead_of_accuracy():
-    from raydp_train.console import held_out_text
+    from raydp_train.commands.console import held_out_text
+    from raydp_train.data.targets import LABEL_KINDS
     from raydp_train.reports.run import metrics_table
-    from raydp_train.targets import LABEL_KINDS
-    from raydp_train.train.evaluation import held_out_metrics
+    from raydp_train.train.tasks import LabelTask, NextTokens
 
-    assert held_out_metrics(LABEL_KINDS["class"], [3.0, 4.0]) == {"test_accuracy": 0.75}
-    row = held_out_metrics(None, [6.0, 3.0])
+    assert LabelTask(LABEL_KINDS["class"]).test_metrics([3.0, 4.0]) == {"test_accuracy": 0.75}
+    row = NextTokens().test_metrics([6.0, 3.0])
     assert row == {"test_loss": 2.0, "test_perplexity": pytest.approx(7.389056, rel=1e-6)}
     assert held_out_text(row) == "test loss 2.0000  test ppl 7.39"
     table = metrics_table({"metrics": [{"epoch": 1, "steps": 2, "steps_charged": 2,

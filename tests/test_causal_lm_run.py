@@ -10,12 +10,12 @@ import pytest
 import torch
 from text_files import MINILM, run_pipeline
 
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
+from raydp_train.commands.generate import continuations
 from raydp_train.config.pipeline import pipeline_from_dict
-from raydp_train.data import load_data
-from raydp_train.generate import continuations
-from raydp_train.hf_causal import CausalLM, token_loss_sum
-from raydp_train.hf_files import resolve_name_or_path
+from raydp_train.data.sources import load_data
+from raydp_train.models.hf_causal import CausalLM, token_loss_sum
+from raydp_train.models.hf_files import resolve_name_or_path
 
 transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 

@@ -3,9 +3,8 @@ and the run's account, which asks the global budget before recording."""
 
 import pytest
 
-from raydp_train.plan import PrivacyPlan
-from raydp_train.privacy.budget_accountant import BudgetAccountant
-from raydp_train.privacy.budget_terms import BudgetTerms
+from raydp_train.budget.accountant import BudgetAccountant
+from raydp_train.budget.terms import BudgetTerms
 from raydp_train.train.charges import (
     Charged,
     ChargeLedger,
@@ -14,6 +13,7 @@ from raydp_train.train.charges import (
     RunAccount,
     planned_charges,
 )
+from raydp_train.train.plan import PrivacyPlan
 
 
 def _run_epoch(ledger, epoch: int, first_step: int, steps: int, ran: int | None = None,

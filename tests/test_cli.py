@@ -5,7 +5,7 @@ from pathlib import Path
 from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
 from dp_accounting.rdp import RdpAccountant
 
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
 
 QUICKSTART = str(Path(__file__).parents[1] / "pipelines" / "quickstart.yaml")
 
@@ -82,8 +82,8 @@ def test_a_model_that_never_took_a_step_is_not_for_release():
     from types import SimpleNamespace
 
     from raydp_train.config.pipeline import load_pipeline
-    from raydp_train.plan import make_plan
     from raydp_train.reports.run import privacy_statement
+    from raydp_train.train.plan import make_plan
 
     plan = make_plan(load_pipeline(QUICKSTART), 1000)
     for steps, for_release in ((0, False), (plan.steps, True)):
@@ -96,11 +96,11 @@ def test_a_model_that_never_took_a_step_is_not_for_release():
 def test_the_summary_says_which_noise_a_run_used(capsys):
     from types import SimpleNamespace
 
+    from raydp_train.commands.console import print_summary
     from raydp_train.config.pipeline import load_pipeline
-    from raydp_train.console import print_summary
-    from raydp_train.plan import make_plan
     from raydp_train.privacy.noise import NOISE_SOURCES
     from raydp_train.reports.run import privacy_statement
+    from raydp_train.train.plan import make_plan
 
     plan = make_plan(load_pipeline(QUICKSTART), 1000)
     result = SimpleNamespace(noise_mode="secure", steps_done=plan.steps,

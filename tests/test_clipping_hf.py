@@ -80,7 +80,7 @@ ARCHITECTURES = {
 
 def _classifier(kind: str):
     from raydp_train.config.pipeline import HFModel
-    from raydp_train.hf import build_hf_model
+    from raydp_train.models.hf import build_hf_model
 
     torch.manual_seed(0)
     config = HFModel(kind="hf", config=ARCHITECTURES[kind], num_labels=2)

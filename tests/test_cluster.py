@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from ray_head import BIN, marked_processes, start_head, stop_head
 
-from raydp_train.privacy.ledger import as_uri
-from raydp_train.privacy.ledger_reading import budget_status
+from raydp_train.budget.ledger import as_uri
+from raydp_train.budget.ledger_reading import budget_status
 
 ROOT = Path(__file__).parents[1]
 WALKTHROUGH_MARKER = "<!-- cluster walkthrough: tests/test_cluster.py runs these lines -->"

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from oracles import assert_engine_is_the_per_example_loop
 
 import raydp_train as rt
-from raydp_train.cli import main
-from raydp_train.custom_models import training_loss
-from raydp_train.models import build_model
-from raydp_train.targets import label_kind
+from raydp_train.commands.cli import main
+from raydp_train.data.targets import label_kind
+from raydp_train.models.builders import build_model
+from raydp_train.models.custom import training_loss
 
 ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "pipelines" / "digits_custom_model.yaml"

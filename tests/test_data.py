@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from raydp_train.config.pipeline import pipeline_from_dict
-from raydp_train.data import DataError, load_data
-from raydp_train.models import ModelError, build_model
-from raydp_train.plan import make_plan
+from raydp_train.data.sources import DataError, load_data
+from raydp_train.models.builders import ModelError, build_model
 from raydp_train.train.context import LocalContext
+from raydp_train.train.plan import make_plan
 from raydp_train.train.worker import train
 
 
@@ -54,7 +54,7 @@ def test_parquet_feature_columns_with_separate_test_file(tmp_path):
 
 
 def test_normalize_uses_the_public_statistics_it_is_given(tmp_path):
-    from raydp_train.data_columns import FeatureScaleWarning
+    from raydp_train.data.columns import FeatureScaleWarning
 
     train = write(tmp_path / "train.parquet", income=[40_000.0, 55_000.0, 70_000.0],
                   age=[20.0, 30.0, 40.0], label=[0, 1, 0])
@@ -69,7 +69,7 @@ def test_normalize_uses_the_public_statistics_it_is_given(tmp_path):
 
 
 def test_raw_features_far_from_unit_scale_get_a_warning_naming_the_column(tmp_path):
-    from raydp_train.data_columns import FeatureScaleWarning
+    from raydp_train.data.columns import FeatureScaleWarning
 
     train = write(tmp_path / "t.parquet", income=[40_000.0, 55_000.0, 70_000.0, 1.0],
                   age=[20.0, 30.0, 40.0, 50.0], label=[0, 1, 0, 1])
@@ -184,7 +184,7 @@ def test_cnn_trains_privately_on_digits():
 @pytest.mark.parametrize("kind", ["int8", "int32", "int64", "uint16", "float16", "float32",
                                   "float64"])
 def test_numbers_read_from_arrow_buffers_equal_pyarrow_s_own(kind):
-    from raydp_train.arrow_numbers import numbers_as_numpy
+    from raydp_train.data.arrow_numbers import numbers_as_numpy
 
     arrow_type = pa.from_numpy_dtype(np.dtype(kind))
     values = np.arange(1, 8).astype(kind)

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raydp_train.config.pipeline import pipeline_from_dict
-from raydp_train.data import load_data
-from raydp_train.data_shards import ShardEveryRow, file_splits, materialize, split_datasets
+from raydp_train.data.shards import ShardEveryRow, file_splits, materialize, split_datasets
+from raydp_train.data.sources import load_data
 
 ROWS = 2_500
 

@@ -14,13 +14,13 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 from faults import FailOnce
 
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
 from raydp_train.config.pipeline import pipeline_from_dict
-from raydp_train.data import load_data
-from raydp_train.models import build_model
-from raydp_train.plan import make_plan
+from raydp_train.data.sources import load_data
+from raydp_train.models.builders import build_model
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.train.charges import planned_charges
+from raydp_train.train.plan import make_plan
 from raydp_train.train.step import cross_entropy_loss
 from raydp_train.train.trainer import fit
 

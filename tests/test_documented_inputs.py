@@ -14,7 +14,7 @@ import pytest
 from test_bad_inputs import MINILM, TINY_BERT
 from test_readme_reference import schema_fields
 
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
 from raydp_train.config.pipeline import Pipeline
 
 # Fields a `run` cannot exercise on this machine, each with where it is run instead.

@@ -7,11 +7,11 @@ import threading
 
 from ray.util.queue import Empty
 
+from raydp_train.commands.console import progress_printer
 from raydp_train.config.pipeline import pipeline_from_dict
-from raydp_train.console import progress_printer
-from raydp_train.plan import make_plan
 from raydp_train.train import trainer, worker
 from raydp_train.train.context import LocalContext
+from raydp_train.train.plan import make_plan
 
 
 class ShowingContext(LocalContext):

@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from interrupted import ctrl_c_after
 
-from raydp_train.budget_actor import actor_name
-from raydp_train.cli import main
-from raydp_train.privacy.budget import NAMESPACE
-from raydp_train.privacy.ledger_reading import budget_status, ledger_rows
+from raydp_train.budget.actor import actor_name
+from raydp_train.budget.book import NAMESPACE
+from raydp_train.budget.ledger_reading import budget_status, ledger_rows
+from raydp_train.commands.cli import main
 from raydp_train.train.charges import ChargeLedger
 from raydp_train.train.context import newest_checkpoint
 
@@ -128,9 +128,9 @@ def test_budget_actor_killed_mid_sweep_loses_no_reservation(ray_session, tmp_pat
 
 
 def test_cli_budget_reset_needs_force_and_is_a_ledger_row(ray_session, tmp_path, capsys):
-    from raydp_train.budget_actor import open_budget
+    from raydp_train.budget.actor import open_budget
+    from raydp_train.budget.terms import Spend
     from raydp_train.config.sweep import BudgetConfig
-    from raydp_train.privacy.budget_terms import Spend
 
     budget = open_budget(BudgetConfig(name="resettable", epsilon=10.0, delta=1e-5,
                                       ledger=str(tmp_path)))

@@ -14,10 +14,10 @@ import pytest
 import torch
 from interrupted import ctrl_c_after
 
-from raydp_train.cli import main
+from raydp_train.budget.ledger_reading import budget_status
+from raydp_train.commands.cli import main
 from raydp_train.config.sweep import default_ledger
-from raydp_train.hf_files import resolve_name_or_path
-from raydp_train.privacy.ledger_reading import budget_status
+from raydp_train.models.hf_files import resolve_name_or_path
 
 pd = pytest.importorskip("pandas", reason="the user's own tool for their table")
 transformers = pytest.importorskip("transformers", reason="a runtime dependency")
@@ -154,7 +154,7 @@ def test_the_first_hour(ray_session, tmp_path, monkeypatch, capsys):
     predicted = np.array([label_ids[output["label"]] for output in outputs])
     assert float(np.mean(predicted == labels)) == pytest.approx(recorded, abs=1e-6)
 
-    from raydp_train.hf_mean_pooled import mean_pooled
+    from raydp_train.models.hf_mean_pooled import mean_pooled
 
     saved = json.loads((text_run / "model" / "config.json").read_text())
     base = transformers.AutoModelForSequenceClassification.from_pretrained(

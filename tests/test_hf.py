@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
 from raydp_train.config.pipeline import HFModel, PipelineError, pipeline_from_dict
-from raydp_train.data import load_data
-from raydp_train.hf import build_hf_model
-from raydp_train.hf_files import HFModelError, resolve_name_or_path
+from raydp_train.data.sources import load_data
+from raydp_train.models.hf import build_hf_model
+from raydp_train.models.hf_files import HFModelError, resolve_name_or_path
 from raydp_train.train.threads import available_cores
 
 transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
@@ -81,7 +81,7 @@ def _text_parquet(path: Path, rows: int = 240) -> None:
 
 @pytest.mark.skipif(not SST2.is_dir(), reason=f"SST-2 is not at {SST2} (shared data absent)")
 def test_sst2_is_tokenized_by_ray_data_in_file_order(ray_session):
-    from raydp_train.text import tokenize_parquet
+    from raydp_train.data.text import tokenize_parquet
 
     path = SST2 / "dev.parquet"
     tokens = tokenize_parquet(path, "sentence", resolve_name_or_path(MINILM), max_length=32)
@@ -95,7 +95,7 @@ def test_sst2_is_tokenized_by_ray_data_in_file_order(ray_session):
 
 
 def test_text_column_must_hold_strings(tmp_path):
-    from raydp_train.data import DataError, load_data
+    from raydp_train.data.sources import DataError, load_data
 
     path = tmp_path / "numbers.parquet"
     pq.write_table(pa.table({"sentence": [1, 2, 3], "label": [0, 1, 0]}), path)

@@ -10,9 +10,9 @@ from oracles import engine_sum_in_parameter_order, naive_clipped_sum
 from test_clipping_hf import ARCHITECTURES  # tiny BERT, RoBERTa, DistilBERT, GPT-2
 
 from raydp_train.config.pipeline import HFModel, PipelineError, pipeline_from_dict
-from raydp_train.hf import build_hf_model
-from raydp_train.hf_files import HFModelError, resolve_name_or_path
-from raydp_train.hf_heads import checkpoint_pooling, mean_pool, resolve_pooling
+from raydp_train.models.hf import build_hf_model
+from raydp_train.models.hf_files import HFModelError, resolve_name_or_path
+from raydp_train.models.hf_heads import checkpoint_pooling, mean_pool, resolve_pooling
 from raydp_train.privacy.clipping import PerExampleClipper
 
 pytest.importorskip("transformers", reason="transformers is a runtime dependency")

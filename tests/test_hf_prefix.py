@@ -7,14 +7,14 @@ from oracles import engine_sum_in_parameter_order
 from test_clipping_hf import ARCHITECTURES  # tiny BERT, RoBERTa, DistilBERT, GPT-2
 
 from raydp_train.config.pipeline import HFModel, pipeline_from_dict
-from raydp_train.data import Dataset
-from raydp_train.hf import build_hf_model
-from raydp_train.hf_prefix import FrozenPrefix, PrefixCacheError, cached_prefix_loss
-from raydp_train.plan import make_plan
+from raydp_train.data.sources import Dataset
+from raydp_train.data.targets import LABEL_KINDS
+from raydp_train.models.hf import build_hf_model
+from raydp_train.models.hf_prefix import FrozenPrefix, PrefixCacheError, cached_prefix_loss
 from raydp_train.privacy.clipping import PerExampleClipper
-from raydp_train.targets import LABEL_KINDS
 from raydp_train.train.context import LocalContext
 from raydp_train.train.evaluation import accuracy, held_out_sums
+from raydp_train.train.plan import make_plan
 from raydp_train.train.step import cross_entropy_loss
 from raydp_train.train.worker import train
 

@@ -17,11 +17,11 @@ import torch
 from oracles import assert_engine_is_the_per_example_loop
 
 import raydp_train as rt
-from raydp_train.canary_audit import check_auditable
-from raydp_train.custom_models import training_loss
-from raydp_train.data import load_data
+from raydp_train.commands.audit import check_auditable
+from raydp_train.data.sources import load_data
+from raydp_train.data.targets import LABEL_KINDS
 from raydp_train.errors import DataError, UserError
-from raydp_train.targets import LABEL_KINDS
+from raydp_train.models.custom import training_loss
 
 # Two real targets, linear in 4 features plus a little noise.
 WEIGHTS = np.array([[1.0, -0.5, 0.0, 0.3], [0.0, 0.8, 0.6, 0.0]])

@@ -7,12 +7,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raydp_train.cli import main
-from raydp_train.privacy.budget_accountant import BudgetAccountant
-from raydp_train.privacy.budget_terms import BudgetTerms, Spend
-from raydp_train.privacy.ledger import LedgerCorruptError
-from raydp_train.privacy.ledger_reading import budget_status, verify_ledger
-from raydp_train.privacy.ledger_schema import LEDGER_SCHEMA, UNCHAINED_SCHEMA
+from raydp_train.budget.accountant import BudgetAccountant
+from raydp_train.budget.ledger import LedgerCorruptError
+from raydp_train.budget.ledger_reading import budget_status, verify_ledger
+from raydp_train.budget.ledger_schema import LEDGER_SCHEMA, UNCHAINED_SCHEMA
+from raydp_train.budget.terms import BudgetTerms, Spend
+from raydp_train.commands.cli import main
 
 TERMS = BudgetTerms("b", 20.0, 1e-5)
 SPEND = Spend(0.02, 1.0, 200)
@@ -124,7 +124,7 @@ def test_a_ledger_written_before_the_chain_is_read_and_extended(tmp_path):
 def test_a_row_appended_while_the_ledger_is_read_is_not_taken_for_damage(ledger, monkeypatch):
     """A reader (`budget status` during a sweep) lists the fragments, then a writer commits
     a row and moves the head marker: the reader must see an intact ledger, not a truncated one."""
-    from raydp_train.privacy.ledger import BudgetLedger
+    from raydp_train.budget.ledger import BudgetLedger
 
     listing = BudgetLedger._fragments
     writer = BudgetAccountant(str(ledger.parent), TERMS)

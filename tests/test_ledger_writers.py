@@ -8,17 +8,17 @@ import threading
 
 import pytest
 
-from raydp_train.privacy import ledger as ledger_module
-from raydp_train.privacy.budget import replay
-from raydp_train.privacy.budget_accountant import BudgetAccountant
-from raydp_train.privacy.budget_terms import BudgetTerms, Spend
-from raydp_train.privacy.ledger import (
+from raydp_train.budget import ledger as ledger_module
+from raydp_train.budget.accountant import BudgetAccountant
+from raydp_train.budget.book import replay
+from raydp_train.budget.ledger import (
     BudgetLedger,
     LedgerCorruptError,
     LedgerError,
     check_ledger_location,
 )
-from raydp_train.privacy.ledger_reading import budget_status, ledger_rows
+from raydp_train.budget.ledger_reading import budget_status, ledger_rows
+from raydp_train.budget.terms import BudgetTerms, Spend
 
 SPEND = Spend(0.02, 1.0, 200)  # about 10 fit: few decisions, each one a real race
 

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from raydp_train.cli import main
+from raydp_train.budget.ledger import LedgerError, as_uri
+from raydp_train.budget.ledger_reading import budget_status
+from raydp_train.commands.cli import main
 from raydp_train.config.pipeline import PipelineError, load_pipeline
-from raydp_train.locations import (
+from raydp_train.runs.locations import (
     _filesystem_type,
     check_locations,
     cluster_warnings,
     job_working_dir_copy,
 )
-from raydp_train.privacy.ledger import LedgerError, as_uri
-from raydp_train.privacy.ledger_reading import budget_status
 
 QUICKSTART = str(Path(__file__).parents[1] / "pipelines" / "quickstart.yaml")
 

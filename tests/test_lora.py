@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from oracles import engine_sum_in_parameter_order, naive_clipped_sum
 
 from raydp_train.config.pipeline import LoraConfig, PipelineError, load_pipeline, pipeline_from_dict
-from raydp_train.models import build_model
-from raydp_train.plan import make_plan
+from raydp_train.models.builders import build_model
 from raydp_train.privacy.lora import LoraSetupError
 from raydp_train.privacy.mechanism import LowRankAdapters, mechanism_named
 from raydp_train.reports.run import privacy_statement, write_run_record
 from raydp_train.train.context import LocalContext
+from raydp_train.train.plan import make_plan
 from raydp_train.train.worker import train
 
 transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
@@ -38,7 +38,7 @@ def attached(model, clip_norm: float, **settings):
 
 def tiny_bert():
     from raydp_train.config.pipeline import HFModel
-    from raydp_train.hf import build_hf_model
+    from raydp_train.models.hf import build_hf_model
 
     torch.manual_seed(0)
     return build_hf_model(HFModel(kind="hf", config=TINY_BERT, num_labels=2), num_labels=2)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from text_files import MINILM, text_pipeline
 
-from raydp_train.cli import main
-from raydp_train.hf_files import resolve_name_or_path
+from raydp_train.commands.cli import main
+from raydp_train.models.hf_files import resolve_name_or_path
 
 transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 peft = pytest.importorskip("peft", reason="peft is a runtime dependency (DP-LoRA's adapters)")
@@ -67,7 +67,7 @@ def test_a_mean_pooled_adapter_is_refused_on_the_cls_class_and_exact_on_the_wrap
         ray_session, tmp_path):
     """MiniLM pools by mean: on the checkpoint's own class (which pools [CLS]) peft finds no
     module the adapter names; on the checkpoint wrapped by hf_mean_pooled it is the run."""
-    from raydp_train.hf_mean_pooled import mean_pooled
+    from raydp_train.models.hf_mean_pooled import mean_pooled
 
     run_dir, record = _lora_run(tmp_path, "mean")
     with pytest.raises(ValueError, match="not found in the base model"):

@@ -12,7 +12,6 @@ from oracles import naive_clipped_sum
 from torch import nn
 
 from raydp_train.config.pipeline import LsgConfig, PipelineError, pipeline_from_dict
-from raydp_train.plan import make_plan
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.lsg import (
     LowRankSparseGradients,
@@ -22,6 +21,7 @@ from raydp_train.privacy.lsg import (
 )
 from raydp_train.privacy.mechanism import LowRankSparse
 from raydp_train.train.context import LocalContext
+from raydp_train.train.plan import make_plan
 from raydp_train.train.step import cross_entropy_loss, private_step
 from raydp_train.train.worker import train
 

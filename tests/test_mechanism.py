@@ -8,11 +8,10 @@ import dp_accounting
 import pytest
 import torch
 
+from raydp_train.accounting.epsilon import composed_epsilon, dpsgd_event
+from raydp_train.budget.terms import BudgetError, Spend
 from raydp_train.config.pipeline import pipeline_from_dict
-from raydp_train.models import build_model
-from raydp_train.plan import make_plan
-from raydp_train.privacy.accounting import composed_epsilon, dpsgd_event
-from raydp_train.privacy.budget_terms import BudgetError, Spend
+from raydp_train.models.builders import build_model
 from raydp_train.privacy.mechanism import (
     MECHANISMS,
     DpSgd,
@@ -21,6 +20,7 @@ from raydp_train.privacy.mechanism import (
     register_mechanism,
 )
 from raydp_train.train.context import LocalContext
+from raydp_train.train.plan import make_plan
 from raydp_train.train.worker import train
 
 PACKAGE = Path(__file__).resolve().parents[1] / "raydp_train"

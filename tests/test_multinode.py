@@ -13,8 +13,8 @@ import pytest
 import yaml
 from cluster_nodes import BIN, namespace_pids, start_cluster, unavailable
 
-from raydp_train.privacy.budget_terms import BudgetError
-from raydp_train.privacy.ledger_reading import ledger_rows
+from raydp_train.budget.ledger_reading import ledger_rows
+from raydp_train.budget.terms import BudgetError
 from raydp_train.train.context import PROGRESS_FILE, newest_checkpoint
 
 pytestmark = pytest.mark.cluster

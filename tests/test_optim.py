@@ -9,12 +9,12 @@ import torch
 from transformers import get_scheduler
 
 from raydp_train.config.pipeline import PipelineError, pipeline_from_dict
-from raydp_train.data import load_data
-from raydp_train.models import build_model
-from raydp_train.plan import make_plan
+from raydp_train.data.sources import load_data
+from raydp_train.models.builders import build_model
 from raydp_train.privacy.mechanism import LowRankSparse
 from raydp_train.train.context import LocalContext
 from raydp_train.train.optim import TrainingSetupError, make_optimizer, make_schedule
+from raydp_train.train.plan import make_plan
 from raydp_train.train.step import cross_entropy_loss, private_step
 from raydp_train.train.worker import train
 
@@ -67,7 +67,7 @@ def test_a_pattern_that_selects_nothing_names_its_entry(groups, expected):
 
 def test_hf_groups_use_the_names_of_model_trainable():
     from raydp_train.config.pipeline import HFModel
-    from raydp_train.hf import build_hf_model
+    from raydp_train.models.hf import build_hf_model
 
     tiny = {"model_type": "bert", "vocab_size": 40, "hidden_size": 16, "num_hidden_layers": 1,
             "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 16}

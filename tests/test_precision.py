@@ -49,7 +49,7 @@ def tiny_bert():
     from test_clipping_hf import ARCHITECTURES
 
     from raydp_train.config.pipeline import HFModel
-    from raydp_train.hf import build_hf_model
+    from raydp_train.models.hf import build_hf_model
 
     torch.manual_seed(0)
     config = HFModel(kind="hf", config=ARCHITECTURES["bert"], num_labels=2)
@@ -183,9 +183,9 @@ def test_unknown_precision_is_refused_naming_the_field():
 
 
 def test_the_worker_steps_in_the_configured_precision(monkeypatch):
-    from raydp_train.plan import make_plan
     from raydp_train.train import worker
     from raydp_train.train.context import LocalContext
+    from raydp_train.train.plan import make_plan
 
     seen = []
 

@@ -12,8 +12,8 @@ import pytest
 from test_bad_inputs import MINILM, TINY_BERT
 from test_documented_inputs import churn, digit_tensors, sentences
 
-from raydp_train.cli import main
-from raydp_train.predictions import PredictError, load_model, predict
+from raydp_train.commands.cli import main
+from raydp_train.models.predictions import PredictError, load_model, predict
 
 
 def _run(tmp_path: Path, name: str, data: dict, model: dict, train, test) -> tuple[Path, Path]:
@@ -117,7 +117,7 @@ def test_a_file_that_is_not_parquet_is_one_error(tmp_path):
     import torch
 
     from raydp_train.config.pipeline import dump_pipeline, pipeline_from_dict
-    from raydp_train.models import build_model
+    from raydp_train.models.builders import build_model
 
     pipeline = pipeline_from_dict({
         "name": "p", "data": {"source": "parquet", "path": "x.parquet", "feature_columns": ["a"]},

@@ -12,8 +12,8 @@ import sys
 import pytest
 from text_files import MINILM, text_pipeline
 
-from raydp_train.cli import _parser
-from raydp_train.quiet import QUIET_ENVIRONMENT
+from raydp_train.commands.cli import _parser
+from raydp_train.runs.quiet import QUIET_ENVIRONMENT
 
 THIRD_PARTY_LINES = ("Token authentication", "Started a local Ray instance", "LOAD REPORT",
                      "Loading weights", "Writing model shards", "Progress bars",
@@ -70,9 +70,9 @@ def test_a_two_worker_run_shows_no_raylet_warnings(tmp_path):
 
 BUILD_MINILM = f"""
 import sys
-from raydp_train.quiet import quiet_third_party
+from raydp_train.runs.quiet import quiet_third_party
 quiet_third_party(verbose=sys.argv[1] == "verbose")
-from raydp_train.hf import build_hf_model
+from raydp_train.models.hf import build_hf_model
 from raydp_train.config.pipeline import HFModel
 build_hf_model(HFModel(kind="hf", name_or_path="{MINILM}", num_labels=2), 2)
 """

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 import raydp_train as rt
-from raydp_train.cli import main
-from raydp_train.ray_datasets import with_ray_datasets
+from raydp_train.commands.cli import main
+from raydp_train.data.ray_datasets import with_ray_datasets
 
 
 def rows(count: int, seed: int) -> pa.Table:
@@ -63,12 +63,12 @@ def test_ray_datasets_train_as_the_same_rows_in_parquet(ray_session, tmp_path):
 
 def test_a_ray_dataset_pipeline_without_its_rows_is_refused_by_name(tmp_path, capsys,
                                                                    monkeypatch):
-    import raydp_train.resources
+    import raydp_train.runs.resources
 
     def no_ray(*_, **__):
         raise AssertionError("Ray was joined or started before the refusal")
 
-    monkeypatch.setattr(raydp_train.resources, "connect", no_ray)
+    monkeypatch.setattr(raydp_train.runs.resources, "connect", no_ray)
     raw = pipeline_dict(tmp_path, {"source": "ray_dataset"})
     with pytest.raises(rt.UserError, match="data.source: ray_dataset needs the rows"):
         rt.validate(rt.Pipeline.from_dict(raw))

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from raydp_train.data.targets import LABEL_KINDS
 from raydp_train.reports.plots import privacy_utility_figure, run_figures, trial_number
 from raydp_train.reports.run import metrics_table
-from raydp_train.targets import LABEL_KINDS
 
 
 @pytest.fixture(autouse=True)

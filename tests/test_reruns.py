@@ -1,4 +1,4 @@
-"""The same `run` command after an interruption finds the unfinished run (reruns.py): which
+"""The same `run` command after an interruption finds the unfinished run (runs/reruns.py): which
 run directories count as unfinished, and when continuing one is refused. No Ray: run
 directories are made the way `run` makes them. (Ctrl-C and the rerun on a real Ray:
 tests/test_faults.py.)"""
@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
 from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.reports.run import new_run_dir
-from raydp_train.reruns import (
+from raydp_train.runs.reruns import (
     DRIVER,
     RECORD,
     command_choices,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from raydp_train.resources import RAY_CLIENT_PORT, RAY_GCS_PORT, ResourceError, _host_port
+from raydp_train.runs.resources import RAY_CLIENT_PORT, RAY_GCS_PORT, ResourceError, _host_port
 
 QUICKSTART = "pipelines/quickstart.yaml"
 # The issue asks for 15 s; the bound is generous because the machine is shared.
@@ -20,7 +20,7 @@ def refused(tmp_path, *args: str) -> tuple[str, float]:
     """Run `raydp-train run QUICKSTART ARGS` in a fresh process; its stderr and wall time."""
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "raydp_train.cli", "run", QUICKSTART,
+        [sys.executable, "-m", "raydp_train.commands.cli", "run", QUICKSTART,
          "--set", f"run.output_dir={tmp_path}/runs", *args],
         check=False, capture_output=True, text=True, timeout=120,
         env={**os.environ, "RAY_ADDRESS": ""})
@@ -68,8 +68,8 @@ def test_ray_failing_to_start_is_one_line_with_what_to_try(address, monkeypatch,
     2, before anything is spent; no traceback from inside Ray."""
     import ray
 
-    from raydp_train import resources
-    from raydp_train.cli import main
+    from raydp_train.commands.cli import main
+    from raydp_train.runs import resources
 
     def busy_machine(**kwargs):
         raise Exception("The current node timed out during startup. This could happen "  # noqa: TRY002 -- Ray's own

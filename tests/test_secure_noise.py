@@ -8,7 +8,6 @@ import torch
 import yaml
 
 from raydp_train.config.pipeline import PipelineError, pipeline_from_dict
-from raydp_train.plan import make_plan
 from raydp_train.privacy.noise import (
     NOISE_SOURCES,
     fill_gaussian_noise_,
@@ -17,6 +16,7 @@ from raydp_train.privacy.noise import (
 from raydp_train.privacy.secure_noise import SecureGaussian
 from raydp_train.reports.run import noise_description, privacy_statement
 from raydp_train.train.context import LocalContext
+from raydp_train.train.plan import make_plan
 from raydp_train.train.worker import train
 
 DRAWS = 1_000_000

@@ -198,10 +198,10 @@ def shared_bias_pipeline(**privacy):
 def run_in_process(monkeypatch, pipeline):
     """Train `pipeline` in this process on Stack(("bias",), 3); (the model, the result or
     the error)."""
-    from raydp_train.data import load_data
-    from raydp_train.plan import make_plan
+    from raydp_train.data.sources import load_data
     from raydp_train.train import worker
     from raydp_train.train.context import LocalContext
+    from raydp_train.train.plan import make_plan
 
     built = []
     monkeypatch.setattr(worker, "build_model",
@@ -227,7 +227,8 @@ def test_a_run_stops_on_its_first_step_naming_the_parameter_when_a_fix_is_revert
 
 
 def test_preflight_checks_a_random_batch_before_any_budget(monkeypatch):
-    from raydp_train import checks, models
+    from raydp_train.checks import pipeline_checks as checks
+    from raydp_train.models import builders as models
 
     monkeypatch.setattr(models, "build_model", lambda *args, **kwargs: Stack(("bias",), 3))
     checks.check_model(shared_bias_pipeline(), (5,), 3, for_training=True)  # passes

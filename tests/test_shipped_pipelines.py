@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from raydp_train.accounting.epsilon import composed_epsilon
 from raydp_train.config.pipeline import load_pipeline
-from raydp_train.plan import make_plan
-from raydp_train.privacy.accounting import composed_epsilon
-from raydp_train.sweep_spending import random_stopping_spend, worst_trial_spend
+from raydp_train.sweeps.spending import random_stopping_spend, worst_trial_spend
+from raydp_train.train.plan import make_plan
 
 PIPELINES = sorted((Path(__file__).parents[1] / "pipelines").glob("*.yaml"))
 SST2_TRAIN_SENTENCES = 6920  # GLUE SST-2 sentence split, as ../shared/data/sst2 holds it

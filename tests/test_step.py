@@ -97,8 +97,8 @@ def test_non_private_reference_steps_on_the_plain_mean_gradient():
 
 
 def test_non_private_run_is_labelled_not_private():
+    from raydp_train.checks.preflight import check_pipeline
     from raydp_train.config.pipeline import PipelineError, pipeline_from_dict
-    from raydp_train.preflight import check_pipeline
     from raydp_train.reports.run import privacy_statement
     from raydp_train.train.context import LocalContext
     from raydp_train.train.worker import train

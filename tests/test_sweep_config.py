@@ -5,9 +5,9 @@ import dp_accounting
 import pytest
 from dp_accounting import rdp
 
+from raydp_train.checks.preflight import check_pipeline
 from raydp_train.config.pipeline import PipelineError, load_pipeline
-from raydp_train.preflight import check_pipeline
-from raydp_train.sweep_spending import random_stopping_spend, worst_trial_spend
+from raydp_train.sweeps.spending import random_stopping_spend, worst_trial_spend
 
 SWEEP = "pipelines/sweep_digits.yaml"
 
@@ -63,7 +63,7 @@ def test_bad_sweep_settings_are_refused_naming_the_field(overrides, expected):
 
 
 def test_a_uniform_range_may_start_at_zero_where_its_field_allows_it():
-    from raydp_train.sweep_spending import check_search_space
+    from raydp_train.sweeps.spending import check_search_space
 
     space = "tune.search_space={privacy.lsg.sparsity: {uniform: [0.0, 0.5]}}"
     sparsity = load_pipeline(SWEEP, ["privacy.mechanism=lsg", space])
@@ -75,7 +75,7 @@ def test_a_uniform_range_may_start_at_zero_where_its_field_allows_it():
 
 
 def test_noisy_validation_releases_cannot_be_calibrated_to_a_target():
-    from raydp_train.plan import PlanError
+    from raydp_train.train.plan import PlanError
 
     pipeline = load_pipeline(SWEEP, ["tune=null", "privacy.noise_multiplier=null",
                                      "privacy.target_epsilon=3"])
@@ -116,7 +116,7 @@ def test_random_stopping_sweep_costs_repeat_and_select_of_its_worst_trial(shape)
 def test_trial_rows_cover_trials_the_time_budget_never_started():
     from types import SimpleNamespace
 
-    from raydp_train.sweeps import _trial_row
+    from raydp_train.sweeps.runner import _trial_row
 
     config = load_pipeline(SWEEP).tune
     never_started = _trial_row(SimpleNamespace(metrics=None, config=None, error=None), config)
@@ -176,7 +176,7 @@ def test_a_searched_batch_size_and_epochs_are_bounded_by_one_costliest_trial(noi
     """Every (batch, epochs, sigma) a trial can get costs no more, at any delta, than the
     bound validate and random stopping use: the largest q, the most steps and releases, and
     the smallest sigma of the search space."""
-    from raydp_train.plan import make_plan
+    from raydp_train.train.plan import make_plan
 
     pipeline = load_pipeline(SWEEP, noise)
     _, plan = check_pipeline(pipeline)
@@ -206,7 +206,7 @@ def test_warmup_must_fit_the_trial_with_the_fewest_steps():
     """Each searched field's extremes pass alone, but the smallest number of epochs at the
     largest batch runs fewer steps than warmup_steps: refused before any budget is touched."""
     from raydp_train.config.training import TrainingSetupError
-    from raydp_train.sweep_spending import check_search_space
+    from raydp_train.sweeps.spending import check_search_space
 
     space = "tune.search_space={training.batch_size: {choice: [64, 512]}, training.epochs: {choice: [1, 8]}}"
     pipeline = load_pipeline(SWEEP, [space, "training.warmup_steps=3"])

@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from test_documented_inputs import churn
 
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
 from raydp_train.config.pipeline import PipelineError, pipeline_from_dict
-from raydp_train.data import load_data
-from raydp_train.data_columns import DataError
+from raydp_train.data.columns import DataError
+from raydp_train.data.sources import load_data
 
 pd = pytest.importorskip("pandas", reason="writes the CSV and JSON files as users do")
 

@@ -9,10 +9,10 @@ import pytest
 from dp_accounting import rdp
 from text_files import MINILM, text_pipeline
 
-from raydp_train.cli import EXIT_BUDGET_EXHAUSTED, main
-from raydp_train.privacy.budget_accountant import BudgetAccountant
-from raydp_train.privacy.budget_terms import BudgetTerms, Spend
-from raydp_train.privacy.ledger import as_uri
+from raydp_train.budget.accountant import BudgetAccountant
+from raydp_train.budget.ledger import as_uri
+from raydp_train.budget.terms import BudgetTerms, Spend
+from raydp_train.commands.cli import EXIT_BUDGET_EXHAUSTED, main
 
 SWEEP = "pipelines/sweep_digits.yaml"
 # sweep_digits: N = 1150, batch 128 -> q = 0.111304, 71 steps and 8 validation releases (sigma
@@ -129,7 +129,7 @@ def refuse(*args, **kwargs):
 ray.init = refuse
 transformers.PreTrainedModel.from_pretrained = classmethod(refuse)
 transformers.AutoModelForSequenceClassification.from_pretrained = classmethod(refuse)
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
 sys.exit(main(["validate", sys.argv[1], *sys.argv[2:]]))
 """
 
@@ -193,7 +193,7 @@ def test_the_model_files_are_checked_by_name(tmp_path):
     import shutil
 
     from raydp_train.config.pipeline import load_pipeline
-    from raydp_train.hf_files import HFModelError, check_model_files, resolve_name_or_path
+    from raydp_train.models.hf_files import HFModelError, check_model_files, resolve_name_or_path
 
     folder = tmp_path / "model"
     shutil.copytree(resolve_name_or_path(MINILM), folder)
@@ -233,7 +233,7 @@ def die() -> None:
 
 
 def test_a_forked_check_reports_its_error_or_its_death():
-    from raydp_train.preflight import _forked
+    from raydp_train.checks.preflight import _forked
 
     with _forked(sum, [1, 2]) as fine:
         fine.result()
@@ -250,7 +250,7 @@ def test_a_process_running_ray_is_never_forked(tmp_path, monkeypatch):
     """A sweep's driver (Ray's threads running) checks its candidates without forking."""
     import types
 
-    from raydp_train import preflight
+    from raydp_train.checks import preflight
     from raydp_train.config.pipeline import load_pipeline
 
     def refuse(*args):
@@ -267,7 +267,7 @@ def test_a_process_running_ray_is_never_forked(tmp_path, monkeypatch):
 # imports it made.
 WHOLE_VALIDATE = """
 import sys
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
 
 code = main(["validate", sys.argv[1]])
 heavy = sorted({"torch", "transformers", "pandas", "ray"} & set(sys.modules))
@@ -279,7 +279,7 @@ print(f"exit {code}, heavy {heavy}")
 # checks the model; they run side by side only if this half never waits for torch.
 LIGHT_HALF = """
 import sys
-from raydp_train import preflight
+from raydp_train.checks import preflight
 from raydp_train.config.pipeline import load_pipeline
 
 preflight._check_text_model = lambda pipeline: None  # the child's half, not measured here
@@ -305,7 +305,7 @@ def test_a_broken_tokenizer_file_is_refused_by_name(tmp_path):
     import shutil
 
     from raydp_train.config.pipeline import load_pipeline
-    from raydp_train.hf_files import HFModelError, check_tokenizer, resolve_name_or_path
+    from raydp_train.models.hf_files import HFModelError, check_tokenizer, resolve_name_or_path
 
     pipeline = load_pipeline(text_pipeline(tmp_path), [])
     folder = tmp_path / "model"
@@ -322,7 +322,7 @@ def test_a_broken_tokenizer_file_is_refused_by_name(tmp_path):
 # the model checks forked so far and the outcome.
 CHECKS = """
 import json, sys
-from raydp_train import preflight
+from raydp_train.checks import preflight
 from raydp_train.config.pipeline import load_pipeline
 
 forks, real_fork = [], preflight._forked
@@ -346,9 +346,9 @@ def test_a_passed_model_check_is_remembered_until_what_it_read_changes(tmp_path,
     import shutil
     import subprocess
 
-    from raydp_train import passed_checks
+    from raydp_train.checks import passed as passed_checks
     from raydp_train.config.pipeline import load_pipeline
-    from raydp_train.hf_files import resolve_name_or_path
+    from raydp_train.models.hf_files import resolve_name_or_path
 
     folder = tmp_path / "model"
     shutil.copytree(resolve_name_or_path(MINILM), folder)
@@ -371,7 +371,7 @@ def test_a_passed_model_check_is_remembered_until_what_it_read_changes(tmp_path,
     assert checks([]) == [(0, "passed")]  # remembered by a later process too (a new validate)
     # The in-process checks (run's, a sweep driver's) include validate's model check, and
     # remember it too.
-    from raydp_train import preflight
+    from raydp_train.checks import preflight
 
     monkeypatch.setattr(preflight, "_ray_running", lambda: True)  # no fork: checked in process
     lower = ["privacy.clip_norm=0.25"]

@@ -1,4 +1,4 @@
-"""A failure on the workers reaches the user as one line (worker_errors.py): the user's own
+"""A failure on the workers reaches the user as one line (runs/worker_errors.py): the user's own
 error found under Ray's wrappers, built here from Ray's real exception classes (no Ray
 running); anything else a bug line naming the trace file. (On a real Ray, through `run`:
 the churn test in tests/test_documented_inputs.py.)"""
@@ -7,9 +7,9 @@ import pytest
 from ray.exceptions import RayTaskError, UserCodeException
 from ray.train import WorkerGroupError
 
-from raydp_train.cli import main
-from raydp_train.data_columns import DataError
-from raydp_train.worker_errors import ERROR_LOG, WorkerBug, explain
+from raydp_train.commands.cli import main
+from raydp_train.data.columns import DataError
+from raydp_train.runs.worker_errors import ERROR_LOG, WorkerBug, explain
 
 
 def remote(error: Exception) -> Exception:
@@ -48,7 +48,7 @@ def test_the_cli_prints_a_bug_in_one_line_and_exits_1(monkeypatch, tmp_path, cap
     def failing_validate(args):
         raise explain(WorkerGroupError("w", {0: remote(KeyError("x"))}), tmp_path)
 
-    monkeypatch.setattr("raydp_train.cli.validate", failing_validate)
+    monkeypatch.setattr("raydp_train.commands.cli.validate", failing_validate)
     argv = ["validate", "pipelines/quickstart.yaml"] + (["--verbose"] if verbose else [])
     assert main(argv) == 1
     err = capsys.readouterr().err
@@ -60,7 +60,7 @@ def test_the_cli_prints_a_bug_in_one_line_and_exits_1(monkeypatch, tmp_path, cap
 def test_a_failed_trial_shows_the_users_error_in_the_sweep_table():
     from types import SimpleNamespace
 
-    from raydp_train.sweeps import _trial_row
+    from raydp_train.sweeps.runner import _trial_row
 
     cause = DataError("data: column 'churn' in train.parquet is string, expected numbers")
     failed = SimpleNamespace(metrics={}, config={"training.lr": 0.1},

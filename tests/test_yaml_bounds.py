@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from raydp_train.cli import main
+from raydp_train.commands.cli import main
 from raydp_train.config.yaml_text import MAX_DEPTH, load_bounded
 
 QUICKSTART = (Path(__file__).parents[1] / "pipelines" / "quickstart.yaml").read_text()

@@ -30,7 +30,7 @@ def run_pipeline(folder: Path, pipeline: dict) -> tuple[Path, dict]:
     one under its run.output_dir) and its record."""
     import json
 
-    from raydp_train.cli import main
+    from raydp_train.commands.cli import main
 
     (folder / "p.yaml").write_text(json.dumps(pipeline))
     assert main(["run", str(folder / "p.yaml")]) == 0

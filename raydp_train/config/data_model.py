@@ -79,7 +79,7 @@ class DigitsData(Section):
 
 class ParquetData(Section):
     """Rows in files: Parquet, or CSV / JSON lines (read by pyarrow, kept as Parquet copies:
-    table_files.py), with the same column options."""
+    data/table_files.py), with the same column options."""
 
     source: Literal["parquet", "csv", "json"]
     validation: ValidationSplit | None = None
@@ -98,7 +98,7 @@ class ParquetData(Section):
     # Names of classes 0..K-1: a string label column is mapped by them, and they become the
     # saved model's id2label.
     label_names: list[str] | None = Field(None, min_length=2)
-    # What a label is (targets.py): a class id; real values to regress on (a number or an
+    # What a label is (data/targets.py): a class id; real values to regress on (a number or an
     # equal-length list of numbers per row); or a multi-hot set of labels (a list of 0/1).
     label_kind: Literal["class", "real", "multi_hot"] = "class"
     train_fraction: TrainFraction = 0.8  # used only when test_path is None
@@ -142,7 +142,7 @@ class ParquetData(Section):
 
 class RayDatasetData(ParquetData):
     """Rows handed over as Ray Datasets, `raydp_train.run(pipeline, datasets={"train": ds,
-    "test": ds})` (ray_datasets.py), with Parquet's column options; no paths."""
+    "test": ds})` (data/ray_datasets.py), with Parquet's column options; no paths."""
 
     source: Literal["ray_dataset"]
     path: str | None = None
@@ -220,6 +220,13 @@ class LastLayers(Section):
     last_k_layers: int = Field(ge=1)  # the classifier head plus the last k transformer blocks
 
 
+# The tasks a Hugging Face model learns, and whether its rows carry labels (causal_lm: each
+# text's next tokens are its targets). The one table that names them: the schema offers
+# these, and train/tasks.py makes the task object from what a task is, never from its name.
+TASK_HAS_LABELS = {"sequence_classification": True, "causal_lm": False}
+TaskName = Literal[tuple(TASK_HAS_LABELS)]
+
+
 class HFModel(Section):
     """A Hugging Face sequence classifier: pretrained (name_or_path) or random (config)."""
 
@@ -228,7 +235,7 @@ class HFModel(Section):
     # also where the tokenizer of text data comes from.
     name_or_path: str | None = Field(None, min_length=1)
     config: dict[str, Any] | None = None  # AutoConfig.for_model(**config): random init
-    task: Literal["sequence_classification", "causal_lm"] = "sequence_classification"
+    task: TaskName = "sequence_classification"
     # causal_lm: an example's loss over its next-token cross-entropies at its real tokens,
     # summed or averaged (null: sum). Mean weighs every text alike, whatever its length.
     lm_loss: Literal["sum", "mean"] | None = None
@@ -258,7 +265,7 @@ class HFModel(Section):
 
     def _fits_task(self) -> None:
         """Classifier fields refused for causal_lm, and lm_loss for a classifier."""
-        if self.task == "sequence_classification":
+        if TASK_HAS_LABELS[self.task]:
             if self.lm_loss is not None:
                 raise FieldProblem("only with task: causal_lm", "lm_loss")
             return
@@ -273,7 +280,7 @@ class HFModel(Section):
     @property
     def num_classes(self) -> int | None:
         # A causal LM's rows carry no class: one placeholder label, 0, per row.
-        return 1 if self.task == "causal_lm" else self.num_labels
+        return self.num_labels if TASK_HAS_LABELS[self.task] else 1
 
     @property
     def loss_reduction(self) -> str:
@@ -282,8 +289,8 @@ class HFModel(Section):
 
 def is_causal_lm(model_config) -> bool:
     """A model section of `model.task: causal_lm` (targets: each text's next tokens): the one
-    place outside the schema's fields that names the task."""
-    return getattr(model_config, "task", None) == "causal_lm"
+    predicate of the task outside the schema's fields; models without a task field have labels."""
+    return not TASK_HAS_LABELS.get(getattr(model_config, "task", None), True)
 
 
 ModelConfig = Annotated[

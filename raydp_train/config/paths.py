@@ -4,7 +4,7 @@ A path written in a pipeline file resolves against the file's folder, so the pip
 same from any current directory (and, in a Ray job, against the job's copy of that folder). A
 path given on the command line (`--set`) resolves against the current directory, as a shell
 user means it. `run.output_dir` and `budget.ledger` are not touched here: they follow their
-own rule (locations.py).
+own rule (runs/locations.py).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ config/overrides.py).
 
 This is the only module that reads the raw config. Everything else receives a validated
 `Pipeline`, so a field's default and its allowed range are written down exactly once, here
-or in the section modules it assembles (`config/data_model.py`, `config/training.py`,
-`config/sweep.py`).
+or in the section modules it assembles (`config/data_model.py`, `config/privacy.py`,
+`config/training.py`, `config/sweep.py`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from raydp_train.config.base import SafeName, Section, Seed, WrittenPath, exactly_one
+from raydp_train.config.base import SafeName, Section, Seed, WrittenPath
 from raydp_train.config.data_model import (
     CnnModel,
     DataConfig,
@@ -33,6 +33,7 @@ from raydp_train.config.data_model import (
 from raydp_train.config.errors import FieldProblem, PipelineError, describe, show, yaml_problem
 from raydp_train.config.overrides import apply_overrides
 from raydp_train.config.paths import resolve_relative_paths
+from raydp_train.config.privacy import LoraConfig, LsgConfig, PrivacyConfig, mechanism_settings
 from raydp_train.config.sweep import BudgetConfig, TuneConfig
 from raydp_train.config.training import ParamGroup, TrainingConfig
 from raydp_train.config.yaml_text import YamlLimitError, load_bounded
@@ -44,6 +45,7 @@ __all__ = [
     "DigitsData",
     "HFModel",
     "LogisticModel",
+    "LoraConfig",
     "LsgConfig",
     "MlpModel",
     "ModelConfig",
@@ -64,84 +66,7 @@ __all__ = [
 ]
 
 
-# --- privacy, training, run -------------------------------------------------------------------
-
-
-class LsgConfig(Section):
-    """Low-rank and sparse gradients (ARCHITECTURE.md §2.4)."""
-
-    rank: int = Field(8, ge=1)  # r: carriers L (n x r), R (r x m)
-    sparsity: float = Field(0.0, ge=0, lt=1)  # p: fraction of rows / columns frozen
-    layers: list[str] | None = Field(None, min_length=1)  # module-name patterns (fnmatch)
-    train_other: Literal["dpsgd", "freeze"] = "dpsgd"  # biases, norms, heads, embeddings
-    refresh_every: int = Field(1, ge=1)  # steps between new carriers and masks
-    sparsity_start_epoch: int = Field(0, ge=0)  # sparsity applies after this epoch
-
-
-class LoraConfig(Section):
-    """DP-LoRA's adapters (ARCHITECTURE.md §2.9; Yu et al. 2022)."""
-
-    rank: int = Field(8, ge=1)  # r: A (r x in), B (out x r)
-    alpha: float = Field(16.0, gt=0)  # the update is (alpha / r) B A
-    dropout: float = 0.0  # only 0: the adapter is folded into its layer's one matmul
-    # Linear module-name patterns (fnmatch); default: trainable Linear layers with
-    # min(in, out) > rank (not a 2-output head)
-    layers: list[str] | None = Field(None, min_length=1)
-    train_other: Literal["dpsgd", "freeze"] = "dpsgd"  # biases, norms, heads, embeddings
-
-    @field_validator("dropout")
-    @classmethod
-    def _no_dropout(cls, value: float) -> float:
-        if value != 0:
-            raise FieldProblem(
-                f"only 0, got {show(value)}: each adapter is folded into its layer's one "
-                "matmul, y = x (W + (alpha / r) B A)^T + b, so the adapter has no input of its "
-                "own to drop (the model's own dropout still applies)")
-        return value
-
-
-class SelfCheckConfig(Section):
-    """The engine against one backward pass per example, on the run's own model and data
-    (privacy/self_check.py), before the first noisy gradient is released and then on a
-    random fraction of steps."""
-
-    enabled: bool = True
-    examples: int = Field(2, ge=1)  # examples of the micro-batch checked
-    step_fraction: float = Field(0.01, ge=0, le=1)  # later steps checked, at random
-
-
-# Each mechanism's own settings section, named after it (privacy/mechanism.py).
-MECHANISM_SETTINGS = {"lsg": LsgConfig, "lora": LoraConfig}
-
-
-class PrivacyConfig(Section):
-    # none: the non-private reference (no clipping, no noise, epsilon infinite)
-    mechanism: Literal["dpsgd", "lsg", "lora", "none"] = "dpsgd"
-    # Bounded so that C, sigma C and their quotients stay normal float32 numbers: a C of 1e308
-    # overflows the float32 step; a sigma of 1e-300 divides the accountant by zero.
-    clip_norm: float = Field(1.0, ge=1e-6, le=1e6)
-    noise_multiplier: float | None = Field(None, ge=1e-3, le=1e6)
-    target_epsilon: float | None = Field(None, gt=0)  # noise_multiplier is then calibrated
-    delta: float = Field(1e-5, gt=0, lt=1)
-    accountant: Literal["rdp", "pld"] = "rdp"
-    lsg: LsgConfig | None = None  # used when mechanism is lsg (defaults if omitted)
-    lora: LoraConfig | None = None  # used when mechanism is lora (defaults if omitted)
-    self_check: SelfCheckConfig = SelfCheckConfig()
-
-    @model_validator(mode="after")
-    def _one_noise_spec(self) -> PrivacyConfig:
-        if self.mechanism == "none":
-            if self.noise_multiplier is not None or self.target_epsilon is not None:
-                raise FieldProblem("mechanism none adds no noise: remove noise_multiplier and "
-                                   "target_epsilon", "mechanism")
-            return self
-        exactly_one(self, "noise_multiplier", "target_epsilon", None)
-        for name, settings in MECHANISM_SETTINGS.items():
-            if getattr(self, name) is not None and self.mechanism != name:
-                raise FieldProblem(f"only allowed with mechanism: {name}", name)
-            if self.mechanism == name and getattr(self, name) is None:
-                setattr(self, name, settings())
-        return self
+# --- run, and the whole pipeline ---------------------------------------------------------------
 
 
 class RunConfig(Section):
@@ -154,7 +79,7 @@ class RunConfig(Section):
     # The newest k epochs' checkpoints (model + optimizer state) stay; older ones are deleted.
     keep_checkpoints: int = Field(2, ge=1)
     # The same `run` again after an interruption: continue the unfinished run (resume), or
-    # stop and name the choice (refuse); `--new` always starts another (reruns.py).
+    # stop and name the choice (refuse); `--new` always starts another (runs/reruns.py).
     on_interrupted: Literal["resume", "refuse"] = "resume"
     # Each epoch's metrics, epsilon by both accountants and the budget left, also to a CSV
     # file, TensorBoard events, an MLflow run (reports/trackers.py); a sweep logs each trial.
@@ -190,9 +115,9 @@ class Pipeline(Section):
 
     @model_validator(mode="after")
     def _tune_fits(self) -> Pipeline:
-        if self.privacy.mechanism == "none" and self.budget is not None:
-            raise FieldProblem("a non-private run (privacy.mechanism: none) cannot spend from a "
-                               "privacy budget", "budget")
+        if not self.privacy.private and self.budget is not None:
+            raise FieldProblem(f"a non-private run (privacy.mechanism: {self.privacy.mechanism}) "
+                               "cannot spend from a privacy budget", "budget")
         if self.tune is not None:
             _check_tune(self)
         _check_task(self)
@@ -234,7 +159,7 @@ def _check_tune(p: Pipeline) -> None:
     if "privacy.noise_multiplier" in space and p.privacy.noise_multiplier is None:
         raise FieldProblem("searching privacy.noise_multiplier needs privacy.noise_multiplier "
                            "set, not target_epsilon", "tune.search_space")
-    for name in MECHANISM_SETTINGS:
+    for name in mechanism_settings():
         if any(key.startswith(f"privacy.{name}.") for key in space) and (
                 p.privacy.mechanism != name):
             raise FieldProblem(f"searching privacy.{name} fields needs privacy.mechanism: "

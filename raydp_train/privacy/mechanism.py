@@ -9,7 +9,7 @@ reaches the parameters (`reduce`, `write_back`), any state it derives from the w
 (`refresh`, re-derived after a restore), and what one step costs (`dp_event`).
 
 No torch and no dp-accounting at module level: the budget's book asks `dp_event` here and
-must not load torch, and validate's forked model check (preflight.py) must not load
+must not load torch, and validate's forked model check (checks/preflight.py) must not load
 dp-accounting; each method imports what it uses.
 """
 
@@ -66,7 +66,7 @@ class Mechanism:
                  steps: int) -> dp_accounting.DpEvent:
         """`steps` Poisson-subsampled Gaussian mechanisms on a sum of contributions of norm
         at most C, noised with std sigma*C (ARCHITECTURE.md §2.5)."""
-        from raydp_train.privacy.accounting import dpsgd_event
+        from raydp_train.accounting.epsilon import dpsgd_event
 
         return dpsgd_event(sampling_rate, noise_multiplier, steps)
 

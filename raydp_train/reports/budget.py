@@ -1,5 +1,5 @@
 """`raydp-train budget status | history`: a budget's ledger as people read it (read by
-privacy/ledger_reading.py, without Ray)."""
+budget/ledger_reading.py, without Ray)."""
 
 from __future__ import annotations
 

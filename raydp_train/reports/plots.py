@@ -7,7 +7,7 @@ import functools
 import math
 from pathlib import Path
 
-from raydp_train.stops import StopReason
+from raydp_train.train.stops import StopReason
 
 ACCURACIES = (("test_accuracy", "test accuracy"), ("validation_accuracy", "validation accuracy"))
 # Record key -> (legend text, line style, colour) of what an accuracy must beat.

@@ -16,12 +16,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from raydp_train.budget.ledger import as_uri
 from raydp_train.config.pipeline import Pipeline, PipelineError, dump_pipeline
-from raydp_train.plan import PrivacyPlan
-from raydp_train.privacy.ledger import as_uri
 from raydp_train.privacy.mechanism import mechanism_named
 from raydp_train.privacy.noise import NOISE_SOURCES
 from raydp_train.train.context import peak_rss_mb
+from raydp_train.train.plan import PrivacyPlan
 
 
 def new_run_dir(pipeline: Pipeline, kind: str = "") -> Path:
@@ -176,15 +176,15 @@ def save_hf_model(model, config, folder: Path, label_names: list[str] | None = N
     else:
         model.model.save_pretrained(folder)
     if config.name_or_path is not None:
-        from raydp_train.hf_files import load_tokenizer
+        from raydp_train.models.hf_files import load_tokenizer
 
         load_tokenizer(config).save_pretrained(folder)
 
 
 def save_mean_pooled(model, folder: Path) -> None:
-    """A mean-pooled classifier as transformers custom code (hf_mean_pooled.py): it loads with
+    """A mean-pooled classifier as transformers custom code (models/hf_mean_pooled.py): it loads with
     trust_remote_code=True, and is refused without it rather than pooling [CLS] silently."""
-    from raydp_train.hf_mean_pooled import (
+    from raydp_train.models.hf_mean_pooled import (
         MeanPooledConfig,
         MeanPooledForSequenceClassification,
         mean_pooled,

@@ -8,8 +8,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raydp_train.data.targets import ClassIds, label_kind
 from raydp_train.reports.plots import privacy_utility_figure, save
-from raydp_train.targets import ClassIds, label_kind
 
 
 def write_sweep_outputs(sweep, pipeline, on_line) -> None:

@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 from pyarrow import fs
 
-from raydp_train.privacy.ledger import as_uri
-from raydp_train.stops import StopReason
+from raydp_train.budget.ledger import as_uri
+from raydp_train.train.stops import StopReason
 
 RELEASE_LOG = "released-{attempt}.log"  # one per attempt, beside the charges
 

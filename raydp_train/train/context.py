@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from raydp_train.stops import StopReason
 from raydp_train.train.charges import Charged, ChargeRefused, MemoryCharges, RunAccount
+from raydp_train.train.stops import StopReason
 
 
 class LocalContext:
@@ -93,7 +93,7 @@ class RayTrainContext:
         self.splits = splits
 
     def dataset_shards(self) -> dict | None:
-        """This rank's Ray Data iterator of each split the trainer was given (data_shards.py),
+        """This rank's Ray Data iterator of each split the trainer was given (data/shards.py),
         or None when it was given none."""
         import ray.train
 

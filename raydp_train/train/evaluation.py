@@ -1,22 +1,19 @@
-"""Scoring held-out rows on a worker: a task's per-example loss and score (a label kind's
-sums, or a causal LM's token losses; with the frozen prefix cached or not), the test metrics
-and baselines, and the validation accuracy as released with noise (ARCHITECTURE.md §2.5,
-§2.12). Every sum is this rank's; the worker all-reduces them."""
+"""Scoring held-out rows on a worker for a label kind (train/tasks.py asks): its per-example
+loss and sums, with the frozen prefix cached or not, its baselines, and the validation accuracy
+as released with noise (ARCHITECTURE.md §2.5, §2.12). Every sum is this rank's; the worker
+all-reduces them."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
-from raydp_train.custom_models import training_loss
-from raydp_train.data import Dataset
-from raydp_train.hf_causal import causal_lm_loss, token_loss_sum
-from raydp_train.hf_prefix import FrozenPrefix, cached_prefix_loss
-from raydp_train.plan import PrivacyPlan
+from raydp_train.data.sources import Dataset
+from raydp_train.data.targets import LABEL_KINDS, LabelKind
+from raydp_train.models.custom import training_loss
+from raydp_train.models.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.privacy.noise import fill_gaussian_noise_
-from raydp_train.targets import LABEL_KINDS, LabelKind
+from raydp_train.train.plan import PrivacyPlan
 
 
 def test_baselines(local: Dataset, kind: LabelKind, context) -> dict[str, float]:
@@ -28,28 +25,7 @@ def test_baselines(local: Dataset, kind: LabelKind, context) -> dict[str, float]
     return kind.baselines(sums.tolist())
 
 
-def held_out_metrics(kind: LabelKind | None, totals: list[float]) -> dict[str, float]:
-    """The label kind's test metrics from its sums (a classifier's accuracy from (correct,
-    rows)); a causal LM's (kind None) held-out loss per token and its perplexity exp(loss)
-    from (token loss sum, tokens)."""
-    if kind is not None:
-        return kind.metrics(totals, "test")
-    loss = totals[0] / max(totals[1], 1)
-    return {"test_loss": loss, "test_perplexity": math.exp(min(loss, 700.0))}
-
-
-def loss_and_score(pipeline, model: nn.Module, local: Dataset, kind: LabelKind | None):
-    """(per-example loss, cached prefix outputs or None, score(model, split)): a causal LM's
-    next-token loss and held-out token losses, or those of the labels' kind
-    (`_frozen_prefix_cache`)."""
-    if kind is not None:
-        return _frozen_prefix_cache(pipeline.training, pipeline.model, model, local, kind)
-    splits = {"test": local.test_features, "validation": local.validation_features}
-    return (causal_lm_loss(pipeline.model.loss_reduction), None,
-            lambda model, split: token_loss_sum(model, splits[split]))
-
-
-def _frozen_prefix_cache(training, model_config, model: nn.Module, local: Dataset,
+def frozen_prefix_cache(training, model_config, model: nn.Module, local: Dataset,
                          kind: LabelKind):
     """(per-example loss, outputs of the frozen prefix for this rank's training rows or None,
     score(model, split) -> the kind's sums on this rank's rows of the split): with

@@ -21,8 +21,8 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.o
 
 def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of every trainable parameter, named as `model.trainable` names them."""
-    from raydp_train.hf import SequenceClassifier
-    from raydp_train.hf_causal import CausalLM
+    from raydp_train.models.hf import SequenceClassifier
+    from raydp_train.models.hf_causal import CausalLM
 
     inner = model.model if isinstance(model, SequenceClassifier | CausalLM) else model
     return [(name, p) for name, p in inner.named_parameters() if p.requires_grad]

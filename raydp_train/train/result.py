@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from raydp_train.stops import StopReason
+from raydp_train.train.stops import StopReason
 
 
 @dataclass

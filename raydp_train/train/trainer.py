@@ -14,15 +14,15 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
-from raydp_train.budget_actor import BudgetClient
+from raydp_train.budget.actor import BudgetClient
 from raydp_train.config.pipeline import Pipeline, pipeline_from_dict
-from raydp_train.data import load_data
-from raydp_train.data_shards import ShardEveryRow, file_splits, split_datasets
-from raydp_train.hf_files import tokenizer_source
-from raydp_train.plan import PrivacyPlan
-from raydp_train.quiet import ray_logging_level
+from raydp_train.data.shards import ShardEveryRow, file_splits, split_datasets
+from raydp_train.data.sources import load_data
+from raydp_train.models.hf_files import tokenizer_source
+from raydp_train.runs.quiet import ray_logging_level
 from raydp_train.train.charges import Charged, ChargeLedger, RunAccount, epsilon_cap
 from raydp_train.train.context import RayTrainContext, clear_stop, request_stop, stop_requested
+from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.result import TrainResult
 from raydp_train.train.worker import train
 
@@ -87,7 +87,7 @@ def fit(
 
     With `budget`, rank 0 reserves each epoch from that global budget as `owner`; with
     `ceiling` (a random-stopping trial), the run never charges more than it. Parquet
-    splits that are files of their own reach the workers as Ray Data shards (data_shards.py;
+    splits that are files of their own reach the workers as Ray Data shards (data/shards.py;
     `dataset`, the driver's checked summary, then gives only their shape); any other
     `dataset` (loaded, e.g. split in memory, by the driver) through the object store.
     `after_step(context, step)` runs on every rank after each step: the tests' fault

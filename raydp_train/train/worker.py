@@ -12,22 +12,22 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from raydp_train.config.data_model import is_causal_lm
-from raydp_train.data import Dataset, load_data
-from raydp_train.hf_files import tokenizer_source
-from raydp_train.models import build_model
-from raydp_train.plan import PrivacyPlan
+from raydp_train.data.sources import Dataset, load_data
+from raydp_train.data.targets import label_kind
+from raydp_train.models.builders import build_model
+from raydp_train.models.hf_files import tokenizer_source
 from raydp_train.privacy.mechanism import Mechanism, make_mechanism
 from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
-from raydp_train.targets import label_kind
 from raydp_train.train import evaluation
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
 from raydp_train.train.engine_checks import EngineChecks
 from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
+from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.result import TrainResult
 from raydp_train.train.step import AUTOCAST_DTYPES, private_step
+from raydp_train.train.tasks import task_of
 from raydp_train.train.threads import use_threads
 
 # Seconds between progress lines within an epoch (SST-2 epochs take minutes).
@@ -101,7 +101,7 @@ class WorkerRun:
             None if seed is None else seed + 1 + context.rank)
         self.engine_checks = EngineChecks(pipeline.privacy.self_check, shared_seed + 1,
                                           context.gather, AUTOCAST_DTYPES[training.precision])
-        self.kind = None if is_causal_lm(pipeline.model) else label_kind(pipeline.data)
+        self.task = task_of(pipeline)
         self.step, self.first_epoch = 0, 1
 
     @classmethod
@@ -121,15 +121,13 @@ class WorkerRun:
         run.result = TrainResult(
             model=model, noise_mode=run.noise_mode,
             data_shape=(list(local.feature_shape), local.num_classes),
-            baselines=({} if run.kind is None
-                       else evaluation.test_baselines(local, run.kind, context)),
+            baselines=run.task.baselines(local, context),
             shard_sizes=context.gather(local.num_train),
             data_mb=context.gather(round(data_mb, 1)),
             threads=context.gather(threads), nodes=context.gather(context.node))
         run.restore()
         # After the restore: the cache holds what this rank's model computes, frozen now.
-        run.loss, run.prefix_outputs, run.score = evaluation.loss_and_score(
-            pipeline, model, local, run.kind)
+        run.loss, run.prefix_outputs, run.score = run.task.loss_and_score(pipeline, model, local)
         run.started = time.monotonic()
         return run
 
@@ -207,7 +205,7 @@ class WorkerRun:
             "steps_charged": charged.steps,
             "examples_seen": int(totals[1]),
             "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
-            **evaluation.held_out_metrics(self.kind, self._evaluate("test")),
+            **self.task.test_metrics(self._evaluate("test")),
             "epsilon": plan.epsilon(charged.steps, releases=charged.releases),
             "elapsed_s": time.monotonic() - self.started,
             # training.lr as scheduled
@@ -217,14 +215,14 @@ class WorkerRun:
             row.update(tracked_privacy(plan, charged, context.account.budget))
         if self.local.validation_labels is not None:
             context.releasing_metric(epoch)
-            counts = self.kind.released_count(self._evaluate("validation"))
+            counts = self.task.released_count(self._evaluate("validation"))
             row["validation_accuracy"] = context.gather(
                 evaluation.released_accuracy(*counts, plan, self.noise_generator))[0]
         return row
 
     def _evaluate(self, split: str) -> list[float]:
-        """The label kind's sums (e.g. correct, rows), or (token loss sum, tokens) of a
-        causal LM, of `split` over every rank's rows."""
+        """The task's sums of `split` over every rank's rows (e.g. correct, rows; a causal LM's
+        token loss sum, tokens)."""
         sums = torch.tensor(self.score(self.model, split), dtype=torch.float64,
                             device=self.context.device)
         self.context.all_reduce_sum(sums)
@@ -262,7 +260,7 @@ def _local_rows(pipeline, context, dataset, data_shape):
     """This rank's rows of every split, as torch tensors (ARCHITECTURE.md §2.10)."""
     shards = context.dataset_shards()
     if shards is not None:
-        from raydp_train.data_shards import materialize
+        from raydp_train.data.shards import materialize
 
         feature_shape, num_classes = data_shape
         labels = label_kind(pipeline.data).label_array(num_classes)

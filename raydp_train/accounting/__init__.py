@@ -1,0 +1,1 @@
+"""Accounting: dp-accounting events and epsilon, random stopping, audit bounds (no Ray)."""

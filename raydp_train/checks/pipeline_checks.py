@@ -1,0 +1,148 @@
+"""The checks preflight runs (checks/preflight.py says in which order and where), each of which can
+fail on bad input: the tokenizer loads, the data loads, the plan fits it, the model builds,
+the mechanism attaches to it (every trainable layer is supported), and the optimizer's
+parameter groups, the schedule and the frozen-prefix cache fit the model. Importing this
+module is light: the model checks import torch and transformers when they run, so that
+validate's data and plan checks never wait for them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from raydp_train.config.pipeline import Pipeline
+from raydp_train.models.hf_files import check_tokenizer as check_tokenizer_files
+from raydp_train.models.hf_files import load_tokenizer, tokenizer_source
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from raydp_train.data.sources import Dataset
+    from raydp_train.train.plan import PrivacyPlan
+
+
+def check_tokenizer(pipeline: Pipeline, for_training: bool = True) -> None:
+    """Training loads the tokenizer as its data workers will; validate reads its file."""
+    if for_training:
+        load_tokenizer(pipeline.model)
+    else:
+        check_tokenizer_files(pipeline.model)
+
+
+def check_text_model(pipeline: Pipeline) -> None:
+    """validate's checks of a text model, which need no data: token ids and masks of
+    `max_length`, and a head of `num_labels` outputs (2 when the data will say; no check
+    depends on the head's size; the tokenizer is checked apart)."""
+    from raydp_train.train.optim import make_optimizer
+
+    model = check_model(pipeline, (2, pipeline.data.max_length),
+                        pipeline.model.num_classes or 2, for_training=False)
+    make_optimizer(model, pipeline.training)
+
+
+def check_data_and_plan(pipeline: Pipeline, for_training: bool) -> tuple[Dataset, PrivacyPlan]:
+    from raydp_train.data.sources import load_data
+    from raydp_train.train.plan import PlanError, make_plan
+
+    tokenize = for_training
+    if for_training:
+        from raydp_train.data.shards import file_splits
+
+        tokenize = file_splits(pipeline.data) is None  # else each worker tokenizes its shard
+    classes_field = "model.num_labels" if pipeline.model.kind == "hf" else "model.num_classes"
+    dataset = load_data(pipeline.data, pipeline.model.num_classes,
+                        tokenizer_source(pipeline.model), classes_field, tokenize=tokenize)
+    # make_plan allows q = 1 (tests use it for an exact full-batch step); a pipeline may not.
+    if pipeline.training.batch_size >= dataset.num_train:
+        raise PlanError(
+            f"training.batch_size: must be < the {dataset.num_train} training examples (q = "
+            "batch_size / N must be < 1: at q = 1 every step takes every example, with no "
+            f"amplification by sampling), got {pipeline.training.batch_size}")
+    return dataset, make_plan(pipeline, dataset.num_train)
+
+
+def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes: int,
+                for_training: bool) -> nn.Module:
+    """The model builds, the mechanism attaches to it (every trainable layer is supported,
+    with LSG's settings when asked for) and the frozen-prefix cache fits it."""
+    import torch
+
+    from raydp_train.models.builders import build_model
+    from raydp_train.models.hf_prefix import FrozenPrefix
+    from raydp_train.privacy.mechanism import make_mechanism
+
+    # validate's model: on the meta device (shapes only), or randomly initialized for the
+    # self-check, which computes; its weights are never read.
+    weights = "pretrained" if for_training else (
+        "random" if pipeline.privacy.self_check.enabled else "meta")
+    model = build_model(pipeline.model, feature_shape, num_classes, weights)
+    engine = make_mechanism(pipeline.privacy, torch.Generator()).attach(
+        model, pipeline.privacy.clip_norm)
+    try:
+        check_loss(pipeline, model, feature_shape, num_classes)
+        check_engine(pipeline, model, engine, feature_shape, num_classes)
+    finally:
+        engine.close()
+    # These look at the parameters that train, so after the mechanism froze what it freezes.
+    if pipeline.training.cache_frozen_prefix:
+        FrozenPrefix(model)
+    return model
+
+
+def check_loss(pipeline: Pipeline, model: nn.Module, feature_shape: tuple[int, ...],
+               num_classes: int) -> None:
+    """A torch model's own `model.loss` gives one loss per example (else refused by name)."""
+    import torch
+
+    from raydp_train.data.targets import label_kind
+    from raydp_train.models.custom import training_loss
+
+    if getattr(pipeline.model, "loss", None) is not None:
+        generator = torch.Generator().manual_seed(0)
+        features = torch.randn(2, *feature_shape, generator=generator)
+        kind = label_kind(pipeline.data)
+        with torch.no_grad():
+            training_loss(pipeline.model, kind)(
+                model, features, kind.example_labels(2, num_classes, generator))
+
+
+def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tuple[int, ...],
+                 num_classes: int) -> None:
+    """privacy.self_check on a random batch of the model's input shape: the engine against
+    one backward pass per example, before any budget is reserved (privacy/self_check.py)."""
+    import torch
+
+    from raydp_train.data.targets import label_kind
+    from raydp_train.privacy.clipping import PerExampleClipper
+    from raydp_train.privacy.self_check import SelfCheckError, compare_with_per_example
+    from raydp_train.train.step import AUTOCAST_DTYPES, in_precision
+    from raydp_train.train.tasks import task_of
+
+    settings = pipeline.privacy.self_check
+    if not settings.enabled or not isinstance(engine, PerExampleClipper):
+        return
+    generator = torch.Generator().manual_seed(0)
+    count = settings.examples
+    if pipeline.model.kind == "hf":
+        vocab = model.model.get_input_embeddings().num_embeddings  # the transformers model
+        ids = torch.randint(vocab, (count, feature_shape[-1]), generator=generator)
+        lengths = torch.randint(1, feature_shape[-1] + 1, (count, 1), generator=generator)
+        mask = (torch.arange(feature_shape[-1]) < lengths).long()  # some padding too
+        features = torch.stack([ids * mask, mask], dim=1)
+    else:
+        features = torch.randn(count, *feature_shape, generator=generator)
+    kind = label_kind(pipeline.data)
+    labels = kind.example_labels(count, num_classes, generator)
+    loss = task_of(pipeline).training_loss(pipeline.model)
+    precision = pipeline.training.precision
+    report = compare_with_per_example(engine, in_precision(loss, precision, "cpu"),
+                                      (model, features, labels), count,
+                                      AUTOCAST_DTYPES[precision])
+    if not report.passed:
+        raise SelfCheckError(report.message())
+
+
+def check_schedule(model: nn.Module, pipeline: Pipeline, steps: int) -> None:
+    """The optimizer's parameter groups fit the model, and the schedule the run's steps."""
+    from raydp_train.train.optim import make_optimizer, make_schedule
+
+    make_schedule(make_optimizer(model, pipeline.training), pipeline.training, steps)

@@ -1,0 +1,1 @@
+"""The `raydp-train` command line, thin over the Python API (api.py)."""

@@ -1,0 +1,1 @@
+"""Data: sources read and checked, label kinds, Parquet shards for the workers."""

@@ -1,0 +1,114 @@
+"""Parquet splits that scale with the workers (ARCHITECTURE.md §2.10): each split file is a Ray
+Data dataset, read and tokenized on the cluster, and each Ray Train worker materializes only
+its own shard; the driver reads no more of the files than their labels.
+
+Sampling is still Poisson over the whole training set: every row lies in exactly one worker's
+shard (the shards partition the rows, whichever blocks Ray Data hands to whom), and each worker
+includes each of its rows independently with the global q = B / N; so each of the N examples
+is included independently with probability q, exactly as by one sampler over all N.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray.data
+from ray.train import DataConfig
+
+from raydp_train.data.columns import numeric_rows, text_labels
+from raydp_train.data.text import tokenize_batch
+from raydp_train.models.hf_files import tokenizer_source
+
+# The most rows per block (the unit shards are made of) and per tokenizing task, and the rows
+# per batch a worker reads while it materializes its shard.
+BATCH_ROWS = 1024
+
+
+def file_splits(data) -> dict[str, Path] | None:
+    """{"train", "test"[, "validation"]} -> file, when the source is parquet and every split is
+    a file of its own; None when a split is cut from a file (`train_fraction`,
+    `validation.fraction`): those are read and split in memory (data/sources.py)."""
+    if data.source != "parquet" or data.test_path is None:
+        return None
+    validation = data.validation
+    if validation is not None and validation.path is None:
+        return None
+    splits = {"train": Path(data.path), "test": Path(data.test_path)}
+    if validation is not None:
+        splits["validation"] = Path(validation.path)
+    return splits
+
+
+def split_datasets(pipeline) -> dict[str, ray.data.Dataset]:
+    """Every split of `file_splits` as a lazy Ray Data dataset of {"features", "label"} rows,
+    in file order; nothing is read until the workers iterate their shards."""
+    data, tokenizer = pipeline.data, tokenizer_source(pipeline.model)
+    text_column = getattr(data, "text_column", None)
+    columns = [text_column] if text_column else data.feature_columns or [data.tensor_column]
+    columns = [*columns, *([data.label_column] if data.label_column is not None else [])]
+    datasets = {}
+    for name, path in file_splits(data).items():
+        rows = pq.ParquetFile(path).metadata.num_rows  # the footer alone
+        per_block = block_rows(rows, pipeline.training.workers)
+        read = ray.data.read_parquet(str(path)).select_columns(columns).repartition(
+            target_num_rows_per_block=per_block)
+        datasets[name] = read.map_batches(  # one block per batch: the blocks stay as cut
+            _rows, fn_kwargs={"data": data, "path": path, "tokenizer": tokenizer},
+            batch_size=per_block, batch_format="pyarrow")
+    return datasets
+
+
+def block_rows(rows: int, workers: int) -> int:
+    """Rows per block: at most BATCH_ROWS, and a multiple of `workers` blocks in all, so that
+    W contiguous runs of blocks (ShardEveryRow) differ by at most a block's remainder."""
+    blocks_per_worker = max(1, math.ceil(rows / (workers * BATCH_ROWS)))
+    return max(1, math.ceil(rows / (workers * blocks_per_worker)))
+
+
+def _rows(table: pa.Table, data, path: Path, tokenizer: str | None) -> dict[str, np.ndarray]:
+    """One batch of a split file -> features (token ids and masks, or numbers) and labels, as
+    the in-memory reader (data/sources.py) makes them of the whole file."""
+    text_column = getattr(data, "text_column", None)
+    if text_column is None:
+        features, labels = numeric_rows(table, data, path)
+        return {"features": features.astype(np.float32), "label": labels}
+    labels = text_labels(table, table.num_rows, path, data)
+    texts = {text_column: table.column(text_column).to_pylist()}
+    tokens = tokenize_batch(texts, tokenizer, text_column, data.max_length)["tokens"]
+    return {"features": tokens, "label": labels}
+
+
+class ShardEveryRow(DataConfig):
+    """Ray Train's default split (`equal=True`) may drop rows so that every worker gets as
+    many; Poisson sampling needs every row in exactly one shard, so shard sizes may differ.
+
+    Rank r gets the r-th of W contiguous runs of blocks, in file order: the same rows for the
+    same files and W wherever the workers run (a streaming split hands blocks to whichever
+    worker asks first), so a seeded run samples the same examples on one node or several.
+    The split is tokenized on the cluster first; each worker then reads only its blocks."""
+
+    def configure(self, datasets, world_size: int, worker_handles, worker_node_ids, **kwargs):
+        shards = [{} for _ in range(world_size)]
+        for name, dataset in datasets.items():
+            dataset.context.execution_options.preserve_order = True  # blocks in file order
+            for rank, shard in enumerate(dataset.split(world_size, equal=False)):
+                shards[rank][name] = shard.iterator()
+        return shards
+
+
+def materialize(shard, feature_shape: tuple[int, ...],
+                labels_as: tuple = (np.int64, ())) -> tuple[np.ndarray, np.ndarray]:
+    """A worker's whole shard (a Ray Data iterator) as (features, labels) arrays; the labels
+    of `labels_as`'s (dtype, one row's shape): targets.LabelKind.label_array."""
+    dtype, label_shape = labels_as
+    features, labels = [], []
+    for batch in shard.iter_batches(batch_size=BATCH_ROWS, batch_format="numpy"):
+        features.append(batch["features"])
+        labels.append(batch["label"])
+    if not labels:  # more workers than blocks: an empty shard still takes its steps
+        return np.empty((0, *feature_shape), np.float32), np.empty((0, *label_shape), dtype)
+    return np.concatenate(features), np.concatenate(labels).astype(dtype)

@@ -1,0 +1,267 @@
+"""Data sources: synthetic, sklearn digits and parquet, as train/test tensors.
+
+Nothing here computes statistics of private data (no fitted scalers): a non-private mean or
+std of the training set would leak outside the privacy accounting. Parquet features are used
+as stored, or standardized with public statistics the pipeline gives (`data.normalize`);
+digits pixels are scaled by their fixed range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raydp_train.data.columns import DataError, numeric_rows, one_line, text_labels
+from raydp_train.data.table_files import as_parquet
+from raydp_train.data.targets import label_kind
+
+
+@dataclass
+class Dataset:
+    """numpy arrays, read without torch (validate stays light); `to_torch` for training."""
+
+    train_features: np.ndarray
+    train_labels: np.ndarray
+    test_features: np.ndarray
+    test_labels: np.ndarray
+    num_classes: int
+    # Held out of training to select hyperparameters on (`data.validation`); may be empty.
+    validation_features: np.ndarray | None = None
+    validation_labels: np.ndarray | None = None
+    # False: text read for checks only (validate, or splits each worker reads for itself):
+    # its token arrays are zeros of the right shape, never trained on.
+    features_read: bool = True
+
+    @property
+    def num_train(self) -> int:
+        return self.train_labels.shape[0]
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        return tuple(self.train_features.shape[1:])
+
+    def rows(self, rank: int, world_size: int) -> Dataset:
+        """Every split's rows r with r mod world_size = rank: one worker's share
+        (ARCHITECTURE.md §2.10)."""
+        return dataclasses.replace(self, **{name: None if value is None else
+                                            value[rank::world_size]
+                                            for name, value in self._arrays().items()})
+
+    def _arrays(self) -> dict:
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                if field.name not in ("num_classes", "features_read")}
+
+    def to_torch(self) -> Dataset:
+        """The same splits as torch tensors that share the arrays' memory (read-only arrays
+        from Ray's object store too: training never writes to its data)."""
+        import torch
+
+        if not self.features_read:
+            raise RuntimeError("this dataset's text was checked, not tokenized: not for training")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            tensors = {name: None if value is None else torch.as_tensor(value)
+                       for name, value in self._arrays().items()}
+        return dataclasses.replace(self, **tensors)
+
+
+def load_data(config, num_classes: int | None = None, tokenizer: str | None = None,
+              classes_field: str = "model.num_classes", tokenize: bool = True) -> Dataset:
+    """Load `config` (a pipeline `data` section) and check the labels against `num_classes`
+    (the field `classes_field` of the model section).
+
+    Text columns are tokenized with the tokenizer at `tokenizer` (a folder or hub name), by Ray
+    Data. `tokenize=False` (validate) checks the text files and labels without tokenizing, so
+    without Ray: the token tensors are then zeros of the right shape, for checks, not training.
+    """
+    loaders = {"synthetic": _synthetic, "sklearn_digits": _digits, "parquet": _parquet}
+    config = as_parquet(config)  # csv / json: their Parquet copies (data/table_files.py)
+    reader = _Reader(config, tokenizer, tokenize)
+    features, labels, test_features, test_labels = loaders[config.source](config, reader)
+    validation = _validation_file(config, reader)
+    splits = [("training", labels), ("test", test_labels)]
+    if validation is not None:
+        splits.append(("validation", validation[1]))
+    kind = label_kind(config)
+    classes = kind.width(splits, num_classes, classes_field, config)
+    dataset = Dataset(_features(features), labels.astype(kind.dtype),
+                      _features(test_features), test_labels.astype(kind.dtype), classes,
+                      features_read=tokenize or reader.numeric)
+    if validation is not None:
+        dataset.validation_features = _features(validation[0])
+        dataset.validation_labels = validation[1].astype(kind.dtype)
+    elif config.validation is not None:
+        _hold_out_validation(dataset, config.validation.fraction, config.random_state)
+    return dataset
+
+
+def _features(values: np.ndarray) -> np.ndarray:
+    """Token ids and masks stay integers (int32: half of int64's memory; the model reads
+    them as int64); everything else is float32."""
+    if np.issubdtype(values.dtype, np.integer) and values.ndim == 3 and values.shape[1] == 2:
+        return values.astype(np.int32, copy=False)
+    return values.astype(np.float32, copy=False)
+
+
+def check_text_file(path: Path, text_column: str, label_column: str | None, field: str) -> int:
+    """The number of rows, after checking the file and its columns; raises DataError."""
+    if not path.is_file():
+        raise DataError(f"{field}: parquet file not found: {path}")
+    try:
+        parquet = pq.ParquetFile(path)  # the footer, read once: schema and row count
+        schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
+    missing = [c for c in (text_column, label_column)
+               if c is not None and c not in schema.names]
+    if missing:
+        raise DataError(f"{field}: column(s) {missing} not in {path}; available: "
+                        f"{', '.join(schema.names)}")
+    kind = schema.field(text_column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"data.text_column: column '{text_column}' in {path} is {kind}, "
+                        "expected strings")
+    if rows == 0:
+        raise DataError(f"{field}: {path} has no rows")
+    # Batch by batch: the driver never holds a whole text column.
+    nulls = sum(batch.column(0).null_count for batch in
+                parquet.iter_batches(batch_size=65_536, columns=[text_column]))
+    if nulls:
+        raise DataError(f"data.text_column: '{text_column}' in {path} has {nulls} null rows")
+    return rows
+
+
+class _Reader:
+    """Reads one parquet file of the pipeline's layout: numeric, tensor or text features."""
+
+    def __init__(self, config, tokenizer: str | None, tokenize: bool):
+        self.config, self.tokenizer, self.tokenize = config, tokenizer, tokenize
+        self.numeric = getattr(config, "text_column", None) is None
+
+    def read(self, path: Path, field: str) -> tuple[np.ndarray, np.ndarray]:
+        config = self.config
+        if self.numeric:
+            return _read_parquet(path, config, field)
+        from raydp_train.data.text import tokenize_parquet
+
+        rows = check_text_file(path, config.text_column, config.label_column, field)
+        if self.tokenizer is None:
+            raise DataError("data.text_column: text needs a tokenizer: use model.kind hf with "
+                            "model.name_or_path")
+        labels = text_labels(pq.ParquetFile(path), rows, path, config)
+        if not self.tokenize:
+            return np.zeros((len(labels), 2, config.max_length), np.int32), labels
+        tokens = tokenize_parquet(path, config.text_column, self.tokenizer, config.max_length)
+        return tokens, labels
+
+
+def _validation_file(config, reader: _Reader):
+    validation = config.validation
+    if validation is None or validation.path is None:
+        return None
+    if config.source != "parquet":
+        raise DataError("data.validation.path: only for file sources (parquet, csv, json); "
+                        "use fraction")
+    return reader.read(Path(validation.path), "data.validation.path")
+
+
+def _hold_out_validation(dataset: Dataset, fraction: float, seed: int) -> None:
+    """Move a fixed random `fraction` of the training rows into the validation split."""
+    n = dataset.num_train
+    count = round(fraction * n)
+    if count == 0 or count == n:
+        raise DataError(
+            f"data.validation.fraction: {fraction} of {n} training rows leaves an empty split"
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    held, kept = order[:count], np.sort(order[count:])
+    dataset.validation_features = dataset.train_features[held]
+    dataset.validation_labels = dataset.train_labels[held]
+    dataset.train_features = dataset.train_features[kept]
+    dataset.train_labels = dataset.train_labels[kept]
+
+
+def _split(features: np.ndarray, labels: np.ndarray, train_fraction: float, shuffle_seed=None):
+    order = np.arange(len(labels))
+    if shuffle_seed is not None:
+        order = np.random.default_rng(shuffle_seed).permutation(len(labels))
+    cut = round(train_fraction * len(labels))
+    if cut == 0 or cut == len(labels):
+        raise DataError(
+            f"data.train_fraction: {train_fraction} of {len(labels)} rows leaves an empty split"
+        )
+    train, test = order[:cut], order[cut:]
+    return features[train], labels[train], features[test], labels[test]
+
+
+def _synthetic(config, reader):
+    """The seed experiment's data: synthetic, so standardizing it leaks nothing private."""
+    from sklearn.datasets import make_classification
+
+    features, labels = make_classification(
+        n_samples=config.n_samples,
+        n_features=config.n_features,
+        n_informative=config.n_informative,
+        n_redundant=config.n_redundant,
+        flip_y=config.flip_y,
+        random_state=config.random_state,
+    )
+    features = (features - features.mean(0)) / features.std(0).clip(min=1e-12)
+    return _split(features, labels, config.train_fraction)
+
+
+def _digits(config, reader):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = (digits.images / 16.0).reshape(-1, 1, 8, 8)  # pixel range 0..16 is fixed
+    return _split(images, digits.target, config.train_fraction, config.random_state)
+
+
+def _parquet(config, reader: _Reader):
+    features, labels = reader.read(Path(config.path), "data.path")
+    if config.test_path is None:
+        return _split(features, labels, config.train_fraction, config.random_state)
+    test_features, test_labels = reader.read(Path(config.test_path), "data.test_path")
+    if test_features.shape[1:] != features.shape[1:]:
+        raise DataError(
+            f"data.test_path: features of shape {test_features.shape[1:]} in {config.test_path} "
+            f"do not match {features.shape[1:]} in {config.path}"
+        )
+    return features, labels, test_features, test_labels
+
+
+def _read_parquet(path: Path, config, field: str) -> tuple[np.ndarray, np.ndarray]:
+    if not path.is_file():
+        raise DataError(f"{field}: parquet file not found: {path}")
+    columns = config.feature_columns or [config.tensor_column]
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
+    missing = [c for c in [*columns, config.label_column] if c not in schema.names]
+    if missing:
+        raise DataError(
+            f"{field}: column(s) {missing} not in {path}; available: {', '.join(schema.names)}"
+        )
+    try:
+        table = pq.ParquetFile(path).read(columns=[*columns, config.label_column])
+    except (pa.ArrowInvalid, OSError) as error:  # a damaged page after a sound footer
+        raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
+    if table.num_rows == 0:
+        raise DataError(f"{field}: {path} has no rows")
+    features, labels = numeric_rows(table, config, path)
+    flat = features.reshape(len(features), -1)
+    for bad, what in ((~np.isfinite(flat), "NaN or inf features"),
+                      (np.abs(flat) > np.finfo(np.float32).max,
+                       "features beyond float32's range (they would train as inf)")):
+        if bad.any():
+            rows = np.unique(np.nonzero(bad)[0])
+            raise DataError(f"{field}: {path} has {what} in rows {rows[:10].tolist()}")
+    return features, labels

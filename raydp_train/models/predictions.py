@@ -1,0 +1,205 @@
+"""`raydp-train predict RUN_DIR --data FILE`, and `load_model(RUN_DIR)` for Python: a run's
+released classifier, rebuilt as the pipeline built it, on a Parquet file laid out as the
+run's training data (the same columns; the labels, where the file has them, give the
+accuracy). Predicting with a released model is post-processing: it spends no privacy.
+
+Non-Hugging Face kinds are rebuilt from `pipeline.yaml` and `model.pt`, with the input shape
+and class count the run recorded (`record.json: model`); a Hugging Face run from its saved
+`model/` folder; a mean-pooled one (saved as transformers custom code, models/hf_mean_pooled.py)
+through that class, here without trust_remote_code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from raydp_train.errors import UserError
+
+
+class PredictError(UserError, ValueError):
+    """The run directory or the data file cannot be used for predictions."""
+
+
+@dataclass
+class Predictions:
+    # [N] the predicted class of each row; [N, K] values (label_kind real) or 0/1 per label
+    # (multi_hot)
+    classes: np.ndarray
+    metrics: dict[str, float]  # against the file's labels ({} if it has none): accuracy, mse
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.metrics.get("accuracy")
+
+
+def add_predict_command(commands, parents: list) -> None:
+    summary = "predict the classes of a Parquet file with a run's released model"
+    command = commands.add_parser("predict", help=summary, description=summary, parents=parents)
+    command.add_argument("run_dir", metavar="RUN_DIR")
+    command.add_argument("--data", required=True, metavar="FILE",
+                         help="a Parquet file with the run's feature (and label) columns")
+    command.add_argument("--output", metavar="FILE",
+                         help="write the predictions here (Parquet: row, prediction)")
+    command.set_defaults(command=predict_command)
+
+
+def predict_command(args: argparse.Namespace) -> int:
+    result = predict(Path(args.run_dir), Path(args.data))
+    print(f"{len(result.classes)} rows predicted")
+    for name, value in result.metrics.items():
+        print(f"{name:<23} {value:.4f}")
+    if args.output:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"row": np.arange(len(result.classes)),
+                                 "prediction": _column(result.classes)}), args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def predict(run_dir: Path, data: Path) -> Predictions:
+    """The run's model on every row of `data`, in batches, in this process."""
+    import torch
+
+    from raydp_train.data.targets import ClassIds, label_kind
+
+    pipeline = _pipeline(run_dir)
+    model = _released_model(Path(run_dir), pipeline)
+    kind = label_kind(pipeline.data)
+    # A regression or multi-label model's width, as recorded (class ids: read from the file).
+    width = None if isinstance(kind, ClassIds) else _recorded(run_dir)["num_classes"]
+    dataset, labelled = _read(pipeline, data, width)
+    dataset = dataset.to_torch()
+    with torch.no_grad():
+        outputs = torch.cat([model(batch) for batch in dataset.test_features.split(256)])
+    labels = dataset.test_labels
+    scored = labelled and len(labels) > 0
+    metrics = kind.metrics(kind.score(outputs, labels), "test") if scored else {}
+    return Predictions(kind.predict(outputs).numpy(),
+                       {name.removeprefix("test_"): value for name, value in metrics.items()})
+
+
+def _column(predicted: np.ndarray):
+    """Classes as they are; a row of values or 0/1 per label as a list."""
+    return predicted if predicted.ndim == 1 else list(predicted)
+
+
+def load_model(run_dir: str | Path):
+    """The run's released classifier (an nn.Module in eval mode), as its pipeline built it."""
+    return _released_model(Path(run_dir), _pipeline(Path(run_dir)))
+
+
+def _released_model(run_dir: Path, pipeline):
+    import torch
+
+    config = pipeline.model
+    from raydp_train.config.data_model import is_causal_lm
+
+    if is_causal_lm(config):
+        raise PredictError(f"{run_dir}: a causal language model; use `raydp-train generate`")
+    if config.kind == "hf":
+        return _hf_model(run_dir, config).eval()
+    from raydp_train.models.builders import build_model
+
+    shape = _recorded(run_dir)
+    model = build_model(config, tuple(shape["feature_shape"]), shape["num_classes"])
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+    return model.eval()
+
+
+def _hf_model(run_dir: Path, config):
+    from raydp_train.models.hf import SequenceClassifier, build_hf_model
+    from raydp_train.models.hf_heads import MeanPoolingHead
+
+    folder = run_dir / "model"
+    saved = json.loads((folder / "config.json").read_text())
+    if saved.get("model_type") == "raydp_mean_pooled":  # reports/run.py save_mean_pooled
+        from raydp_train.models.hf_mean_pooled import MeanPooledForSequenceClassification
+
+        wrapper = MeanPooledForSequenceClassification.from_pretrained(folder)
+        head = wrapper.model.get_submodule(wrapper.config.head)
+        return SequenceClassifier(wrapper.model, MeanPoolingHead(head, wrapper.config.normalize))
+    plain = config.model_copy(update={"name_or_path": str(folder), "config": None,
+                                      "pooling": "cls", "normalize": None,
+                                      "head_init": "default"})
+    return build_hf_model(plain, num_labels=max(len(saved.get("id2label", {})), 2))
+
+
+def _pipeline(run_dir: Path):
+    from raydp_train.config.pipeline import load_pipeline
+
+    if not (run_dir / "pipeline.yaml").is_file() or not (run_dir / "record.json").is_file():
+        raise PredictError(f"{run_dir}: not the directory of a finished run (no pipeline.yaml "
+                           "and record.json)")
+    return load_pipeline(run_dir / "pipeline.yaml")
+
+
+def _recorded(run_dir: Path) -> dict:
+    shape = json.loads((run_dir / "record.json").read_text()).get("model")
+    if not shape:
+        raise PredictError(f"{run_dir}: its record.json has no `model` (input shape, classes): "
+                           "written by a version before 0.4; rebuild the model with "
+                           "raydp_train.models.builders.build_model and load model.pt")
+    return shape
+
+
+def _read(pipeline, data: Path, width: int | None):
+    """`data` read and checked as the run read its test file (columns, normalization, label
+    names, tokenization), and whether it has labels."""
+    from raydp_train.config.pipeline import pipeline_from_dict
+    from raydp_train.data.sources import load_data
+    from raydp_train.data.table_files import CONVERTED, parquet_copy
+    from raydp_train.models.hf_files import tokenizer_source
+
+    kind = pipeline.data.source
+    if kind not in ("parquet", *CONVERTED):
+        raise PredictError(f"predict reads files laid out as the run's data; this run "
+                           f"trained on data.source {kind}")
+    if not data.is_file():
+        raise PredictError(f"--data: {data.resolve()} is not a file")
+    if kind in CONVERTED:  # a file of the run's own format, read as the run read its files
+        data = parquet_copy(data, kind, "--data")
+    labelled = _has_labels(pipeline, data)
+    with tempfile.TemporaryDirectory() as scratch:
+        source = data if labelled else _unlabeled_copy(pipeline, data, Path(scratch), width)
+        raw = pipeline.model_dump(mode="json")
+        raw["data"].update(source="parquet", path=str(source), test_path=str(source),
+                           validation=None)
+        raw["tune"] = None  # a sweep's metric needs the validation split dropped here
+        reading = pipeline_from_dict(raw, source=str(data))
+        return load_data(reading.data, width or reading.model.num_classes,
+                         tokenizer_source(reading.model)), labelled
+
+
+def _has_labels(pipeline, data: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(data).names
+    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+        raise PredictError(f"--data: {data}: not a Parquet file ({error})") from error
+    return pipeline.data.label_column in names
+
+
+def _unlabeled_copy(pipeline, data: Path, scratch: Path, width: int | None) -> Path:
+    """A copy of `data` (no label column) in `scratch` with placeholder labels (class 0, or
+    `width` zeros): the loader checks labels, predictions ignore them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(data)
+    names = pipeline.data.label_names
+    placeholder = pa.array([names[0]] * table.num_rows) if names else pa.array(
+        np.zeros(table.num_rows, np.int64))
+    if width is not None:
+        placeholder = pa.array([[0.0] * width] * table.num_rows)
+    copy = scratch / data.name
+    pq.write_table(table.append_column(pipeline.data.label_column, placeholder), copy)
+    return copy

@@ -1,0 +1,1 @@
+"""Sweeps: a search space on Ray Tune, and what a sweep may spend."""

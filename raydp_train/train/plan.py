@@ -1,0 +1,125 @@
+"""The privacy plan of a run: what a pipeline will spend, derived before any training."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from raydp_train.accounting.epsilon import (
+    calibrate_noise_multiplier,
+    composed_epsilon,
+    rough_epsilon_estimate,
+)
+from raydp_train.budget.terms import Spend
+from raydp_train.errors import UserError
+from raydp_train.privacy.mechanism import mechanism_named
+from raydp_train.privacy.sampling import sampling_rate, total_steps
+
+
+class PlanError(UserError, ValueError):
+    """The pipeline's privacy settings do not fit its data; the message names the field."""
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    num_examples: int
+    expected_batch_size: int
+    sampling_rate: float
+    steps: int
+    noise_multiplier: float
+    noise_calibrated: bool  # True when derived from privacy.target_epsilon
+    clip_norm: float
+    delta: float
+    accountant: str
+    epochs: int = 1
+    mechanism: str = "dpsgd"  # a registered name (privacy/mechanism.py)
+    # Noise on each released count of correct validation predictions (sensitivity 1), one
+    # release per epoch; 0 when nothing private is released besides the model.
+    release_noise_multiplier: float = 0.0
+
+    @property
+    def private(self) -> bool:
+        return mechanism_named(self.mechanism).private
+
+    @property
+    def releases_per_epoch(self) -> int:
+        return 1 if self.release_noise_multiplier > 0 else 0
+
+    def epsilon(
+        self, steps: int | None = None, accountant: str | None = None, releases: int | None = None
+    ) -> float:
+        """Epsilon spent after `steps` and `releases` (default: the whole run); not private: inf."""
+        if not self.private:
+            return float("inf")
+        steps = self.steps if steps is None else steps
+        releases = self.epochs * self.releases_per_epoch if releases is None else releases
+        if not steps and not releases:
+            return 0.0
+        event = self.spend(steps, releases).dp_event()
+        return composed_epsilon([event], self.delta, accountant or self.accountant)
+
+    def spend(self, steps: int, releases: int) -> Spend:
+        """A budget reservation for `steps` training steps and `releases` metric releases."""
+        return Spend(self.sampling_rate, self.noise_multiplier, steps,
+                     self.release_noise_multiplier if releases else 0.0, releases,
+                     mechanism=self.mechanism)
+
+    def rough_epsilon(self) -> float:
+        if not self.private:
+            return float("inf")
+        return rough_epsilon_estimate(
+            self.sampling_rate, self.noise_multiplier, self.steps, self.delta
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
+    """q = B/N, steps = floor(epochs / q), sigma given or calibrated to the target epsilon."""
+    privacy, training = pipeline.privacy, pipeline.training
+    if training.batch_size > num_examples:
+        raise PlanError(
+            f"training.batch_size: must be <= the {num_examples} training examples, "
+            f"got {training.batch_size}"
+        )
+    if privacy.delta >= 1.0 / num_examples:
+        raise PlanError(
+            f"privacy.delta: must be < 1/N = {1.0 / num_examples:.3g} for N = {num_examples} "
+            f"training examples (delta bounds the chance of a total leak), got {privacy.delta}"
+        )
+    rate = sampling_rate(training.batch_size, num_examples)
+    steps = total_steps(training.epochs, training.batch_size, num_examples)
+    validation = pipeline.data.validation
+    release_sigma = 0.0
+    if validation is not None and validation.private and validation.noise_multiplier:
+        release_sigma = validation.noise_multiplier
+    sigma = privacy.noise_multiplier
+    if sigma is None and release_sigma:
+        raise PlanError(
+            "privacy.target_epsilon: calibration covers the training steps only; with noisy "
+            "validation releases (data.validation.noise_multiplier) set privacy.noise_multiplier"
+        )
+    private = mechanism_named(privacy.mechanism).private
+    if not private:
+        sigma = 0.0  # the non-private reference: epsilon is infinite
+    elif sigma is None:
+        try:
+            sigma = calibrate_noise_multiplier(
+                privacy.target_epsilon, privacy.delta, rate, steps, privacy.accountant
+            )
+        except ValueError as error:  # a target no noise multiplier in range can meet
+            raise PlanError(f"privacy.target_epsilon: {error}") from None
+    return PrivacyPlan(
+        num_examples=num_examples,
+        expected_batch_size=training.batch_size,
+        sampling_rate=rate,
+        steps=steps,
+        noise_multiplier=float(sigma),
+        noise_calibrated=privacy.noise_multiplier is None and private,
+        clip_norm=privacy.clip_norm,
+        delta=privacy.delta,
+        accountant=privacy.accountant,
+        epochs=training.epochs,
+        mechanism=privacy.mechanism,
+        release_noise_multiplier=release_sigma,
+    )
