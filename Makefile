@@ -11,8 +11,9 @@ STAMP := $(VENV)/.installed
 run: $(STAMP)
 	$(BIN)/raydp-train run pipelines/quickstart.yaml
 
+# The 30 slowest tests are listed at the end: where the suite's time goes.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 # The edit loop: math, schema, ledger, engine; no Ray and no other process (tests/conftest.py).
 test-fast: $(STAMP)
