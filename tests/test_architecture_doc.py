@@ -9,7 +9,10 @@ stop reason matched by its text."""
 import ast
 import os
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1]
 DOC = ROOT / "ARCHITECTURE.md"
@@ -203,6 +206,17 @@ def test_the_root_holds_only_the_public_surface():
                                     "its concept (ARCHITECTURE.md §3)")
     assert all((folder / "__init__.py").exists() for folder in PACKAGE.iterdir()
                if folder.is_dir() and folder.name != "__pycache__")
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the git checkout: asks git "
+                    "which files a clone would lack")
+def test_git_ignores_no_module_of_the_package():
+    # A clean clone lacked raydp_train/runs/__init__.py once: .gitignore's "runs/" (meant for
+    # run output) matched the package of that name.
+    modules = [str(path.relative_to(ROOT)) for path in PACKAGE.rglob("*.py")]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *modules], cwd=ROOT,
+                             capture_output=True, text=True).stdout.split()
+    assert not ignored, f"git would leave these out of a clone; fix .gitignore: {ignored}"
 
 
 def test_no_module_imports_up_from_a_lower_layer():
