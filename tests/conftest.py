@@ -2,6 +2,7 @@
 of the suite (`make test-fast` runs neither Ray nor other processes)."""
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +45,37 @@ def ray_session():
     ensure_ray(None, num_cpus=4)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def documented_run(ray_session, tmp_path_factory):
+    """`raydp-train run` of one of tests/test_documented_inputs.py's pipelines, each run once
+    per session and shared (tests/test_predict.py predicts on them): its run directory and
+    everything it printed."""
+    import contextlib
+    import io
+    import json
+
+    from test_documented_inputs import runs, write_files
+
+    from raydp_train.commands.cli import main
+
+    folder = tmp_path_factory.mktemp("documented")
+    pipelines, done = runs(write_files(folder), folder), {}
+
+    def run(name: str):
+        if name not in done:
+            pipeline, printed = pipelines[name], io.StringIO()
+            path = folder / f"{name}.yaml"
+            path.write_text(json.dumps(pipeline))
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                code = main(["run", str(path)])
+            assert code == 0, printed.getvalue()[-6000:]
+            (run_dir,) = Path(pipeline["run"]["output_dir"]).iterdir()
+            done[name] = run_dir, printed.getvalue()
+        return done[name]
+
+    return run
 
 
 @pytest.fixture(autouse=True)

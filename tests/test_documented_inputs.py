@@ -14,7 +14,6 @@ import pytest
 from test_bad_inputs import MINILM, TINY_BERT
 from test_readme_reference import schema_fields
 
-from raydp_train.commands.cli import main
 from raydp_train.config.pipeline import Pipeline
 
 # Fields a `run` cannot exercise on this machine, each with where it is run instead.
@@ -56,14 +55,16 @@ def sentences(rows: int) -> pa.Table:
                      "label": [i % 2 for i in range(rows)]})
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("documented")
+def write_files(folder: Path) -> Path:
+    """The tables the documented runs read (each run with a test file is one that
+    tests/test_predict.py predicts on)."""
     pq.write_table(churn(300, 0, pa.large_string()), folder / "churn_train.parquet")  # pandas'
     pq.write_table(churn(100, 1, pa.string()), folder / "churn_test.parquet")
     pq.write_table(churn(60, 2, pa.string()), folder / "churn_dev.parquet")
-    pq.write_table(digit_tensors(240, 3), folder / "tensors.parquet")
+    pq.write_table(digit_tensors(180, 3), folder / "tensors.parquet")
+    pq.write_table(digit_tensors(60, 4), folder / "tensors_test.parquet")
     pq.write_table(sentences(64), folder / "text.parquet")
+    pq.write_table(sentences(40), folder / "text_test.parquet")
     return folder
 
 
@@ -99,7 +100,7 @@ def runs(files: Path, out: Path) -> dict[str, dict]:
         "tensors-cnn": {
             "name": "tensors-cnn",
             "data": {"source": "parquet", "path": str(files / "tensors.parquet"),
-                     "tensor_column": "image", "train_fraction": 0.75, "random_state": 5,
+                     "test_path": str(files / "tensors_test.parquet"), "tensor_column": "image",
                      "validation": {"fraction": 0.2, "private": False}},
             "model": {"kind": "cnn", "channels": [4], "kernel_size": 3, "hidden_size": 8},
             "privacy": {"target_epsilon": 8.0, "clip_norm": 1.0, "delta": 1e-4,
@@ -136,7 +137,8 @@ def runs(files: Path, out: Path) -> dict[str, dict]:
         "text-hf": {
             "name": "text-hf",
             "data": {"source": "parquet", "path": str(files / "text.parquet"),
-                     "text_column": "sentence", "max_length": 8},
+                     "test_path": str(files / "text_test.parquet"), "text_column": "sentence",
+                     "max_length": 8},
             "model": {"kind": "hf", "name_or_path": MINILM, "config": TINY_BERT,
                       "num_labels": 2, "pooling": "mean", "normalize": True,
                       "head_init": "zeros", "trainable": {"last_k_layers": 1}},
@@ -183,16 +185,11 @@ def test_the_runs_set_every_documented_field(tmp_path):
 
 @pytest.mark.parametrize("name", ["churn", "tensors-cnn", "synthetic-lsg", "digits-lora",
                                   "text-hf", "nonprivate"])
-def test_each_documented_field_runs(name, files, ray_session, tmp_path, capsys):
-    pipeline = runs(files, tmp_path)[name]
-    (tmp_path / "p.yaml").write_text(json.dumps(pipeline))
-    code = main(["run", str(tmp_path / "p.yaml")])
-    output = capsys.readouterr()
-    assert code == 0, output.out[-3000:] + output.err[-3000:]
-    (run_dir,) = Path(pipeline["run"]["output_dir"]).iterdir()
+def test_each_documented_field_runs(name, documented_run):
+    run_dir, output = documented_run(name)
     record = json.loads((run_dir / "record.json").read_text())
     assert record["privacy"]["steps"] > 0 and record["metrics"]
-    assert "Traceback" not in output.out + output.err
+    assert "Traceback" not in output
     if name == "churn":  # string labels of both Arrow types, mapped on both workers
         assert sum(record["training"]["training_rows_per_worker"]) == 300
         assert 0.0 <= record["metrics"][-1]["test_accuracy"] <= 1.0

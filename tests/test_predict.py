@@ -9,47 +9,26 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from test_bad_inputs import MINILM, TINY_BERT
-from test_documented_inputs import churn, digit_tensors, sentences
+import yaml
 
 from raydp_train.commands.cli import main
 from raydp_train.models.predictions import PredictError, load_model, predict
 
-
-def _run(tmp_path: Path, name: str, data: dict, model: dict, train, test) -> tuple[Path, Path]:
-    pq.write_table(train, tmp_path / "train.parquet")
-    pq.write_table(test, tmp_path / "test.parquet")
-    pipeline = {"name": name, "data": {"source": "parquet", "path": str(tmp_path / "train.parquet"),
-                                       "test_path": str(tmp_path / "test.parquet"), **data},
-                "model": model, "privacy": {"noise_multiplier": 0.8, "delta": 1e-3},
-                "training": {"epochs": 2, "batch_size": 32, "lr": 0.2},
-                "run": {"output_dir": str(tmp_path / "runs")}}
-    (tmp_path / "p.yaml").write_text(json.dumps(pipeline))
-    assert main(["run", str(tmp_path / "p.yaml")]) == 0
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    return run_dir, tmp_path / "test.parquet"
-
-
-KINDS = {
-    "mlp-string-labels": lambda: ({"feature_columns": ["age", "spend"], "label_column": "churn",
-                                   "label_names": ["no", "yes"],
-                                   "normalize": {"age": [50, 20], "spend": [50, 20]}},
-                                  {"kind": "mlp", "hidden_sizes": [8]},
-                                  churn(200, 0, "string"), churn(80, 1, "string")),
-    "cnn-tensors": lambda: ({"tensor_column": "image"},
-                            {"kind": "cnn", "channels": [4], "hidden_size": 8},
-                            digit_tensors(160, 0), digit_tensors(60, 1)),
-    "hf-mean-pooled": lambda: ({"text_column": "sentence", "max_length": 8},
-                               {"kind": "hf", "name_or_path": MINILM, "config": TINY_BERT,
-                                "num_labels": 2, "pooling": "mean"},
-                               sentences(64), sentences(40)),
-}
+# Each model kind as a documented run (tests/test_documented_inputs.py) leaves it: the run
+# directory, and the test file it scored.
+KINDS = {"mlp-string-labels": ("churn", "churn_test.parquet"),
+         "cnn-tensors": ("tensors-cnn", "tensors_test.parquet"),
+         "hf-mean-pooled": ("text-hf", "text_test.parquet")}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_predict_reproduces_the_runs_test_accuracy(kind, ray_session, tmp_path, capsys):
-    data, model, train, test = KINDS[kind]()
-    run_dir, test_file = _run(tmp_path, kind, data, model, train, test)
+def test_predict_reproduces_the_runs_test_accuracy(kind, documented_run, tmp_path, capsys):
+    name, test_name = KINDS[kind]
+    run_dir, _ = documented_run(name)
+    pipeline = yaml.safe_load((run_dir / "pipeline.yaml").read_text())
+    test_file = Path(pipeline["data"]["test_path"])
+    assert test_file.name == test_name
+    test = pq.read_table(test_file)
     recorded = json.loads((run_dir / "record.json").read_text())["metrics"][-1]["test_accuracy"]
     result = predict(run_dir, test_file)
     assert result.accuracy == pytest.approx(recorded, abs=1e-6)
@@ -63,12 +42,12 @@ def test_predict_reproduces_the_runs_test_accuracy(kind, ray_session, tmp_path, 
     written = pq.read_table(tmp_path / "out.parquet").column("prediction").to_numpy()
     assert (written == result.classes).all()
 
-    label = data.get("label_column", "label")
+    label = pipeline["data"].get("label_column") or "label"
     unlabeled = tmp_path / "unlabeled.parquet"
     pq.write_table(test.drop_columns([label]), unlabeled)
     blind = predict(run_dir, unlabeled)
     assert blind.accuracy is None and (blind.classes == result.classes).all()
-    if model["kind"] == "hf":
+    if pipeline["model"]["kind"] == "hf":
         _check_transformers_alone(run_dir, test, recorded, list(result.classes))
 
 

@@ -20,8 +20,8 @@ import re
 import sys
 from pathlib import Path
 
-from raydp_train.config.pipeline import Pipeline, PipelineError
 from raydp_train.budget.ledger import check_ledger_location
+from raydp_train.config.pipeline import Pipeline, PipelineError
 
 # Set by Ray's job server for the entrypoint of a submitted job: the job's runtime env.
 _JOB_CONFIG_VARIABLE = "RAY_JOB_CONFIG_JSON_ENV_VAR"
