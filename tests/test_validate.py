@@ -117,9 +117,11 @@ def test_an_unreadable_ledger_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1
 
 
-# Run in a fresh process whose Ray and transformers refuse to start or load weights.
+# Run in a fresh process whose Ray and transformers refuse to start or load weights: each
+# validate of the JSON list on stdin (its arguments after the pipeline), one after another;
+# prints each one's exit code and output as JSON.
 TRAPPED_VALIDATE = """
-import sys
+import contextlib, io, json, sys
 import ray
 import transformers
 
@@ -130,22 +132,42 @@ ray.init = refuse
 transformers.PreTrainedModel.from_pretrained = classmethod(refuse)
 transformers.AutoModelForSequenceClassification.from_pretrained = classmethod(refuse)
 from raydp_train.commands.cli import main
-sys.exit(main(["validate", sys.argv[1], *sys.argv[2:]]))
+results = []
+for arguments in json.load(sys.stdin):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["validate", sys.argv[1], *arguments])
+    results.append({"returncode": code, "stdout": stdout.getvalue(),
+                    "stderr": stderr.getvalue()})
+print(json.dumps(results))
 """
 
 
 def test_validate_checks_a_pretrained_text_pipeline_without_ray_or_weights(tmp_path):
+    import json
     import subprocess
     import sys
+    from types import SimpleNamespace
 
     pipeline = text_pipeline(tmp_path, trainable={"last_k_layers": 1})
     elsewhere = tmp_path / "elsewhere"  # the data path resolves against the pipeline's folder
     elsewhere.mkdir()
+    calls = [[], ["--set", "model.trainable.last_k_layers=7"], ["--check-model"],
+             ["--check-model", "--set", "model.trainable=[nope.*]"],
+             ["--check-model", "--set", "model.trainable=[nope.*]",
+              "--set", "data.label_column=nope"],
+             ["--check-model", "--set", "training.param_groups=[{params: [nothing.*], lr: 0.1}]"]]
+    # One process for all of them: a fresh one each would start Python and import Ray and
+    # transformers six times over.
+    process = subprocess.run([sys.executable, "-c", TRAPPED_VALIDATE, pipeline], cwd=elsewhere,
+                             input=json.dumps(calls), capture_output=True, text=True,
+                             timeout=600, check=False)
+    assert process.returncode == 0, process.stderr[-3000:]
+    results = {tuple(arguments): SimpleNamespace(**result) for arguments, result in
+               zip(calls, json.loads(process.stdout.strip().splitlines()[-1]), strict=True)}
 
     def validate(*arguments: str):
-        return subprocess.run([sys.executable, "-c", TRAPPED_VALIDATE, pipeline, *arguments],
-                              cwd=elsewhere, capture_output=True, text=True, timeout=300,
-                              check=False)
+        return results[arguments]
 
     done = validate()
     assert done.returncode == 0, done.stderr
