@@ -292,9 +292,7 @@ def _open_budget(pipeline: Pipeline, on_line):
 
 
 def _header(pipeline: Pipeline, plan, run_dir: Path) -> str:
-    from raydp_train.privacy.mechanism import mechanism_named
-
-    mechanism = mechanism_named(plan.mechanism).label
+    mechanism = plan.mechanism.label
     return (f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} "
             f"examples, {pipeline.training.workers} worker(s), q={plan.sampling_rate:.4g}, "
             f"sigma={plan.noise_multiplier:.4g}, C={plan.clip_norm:g}\nrun directory: {run_dir}")

@@ -19,6 +19,7 @@ from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.data.sources import load_data
 from raydp_train.models.builders import build_model
 from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.privacy.mechanism import mechanism_named
 from raydp_train.train.charges import planned_charges
 from raydp_train.train.plan import make_plan
 from raydp_train.train.step import cross_entropy_loss
@@ -82,7 +83,7 @@ def test_noiseless_distributed_step_equals_single_process_clipped_sum(ray_sessio
     """sigma = 0, q = 1: one step over every example, split across 2 workers' shards."""
     pipeline = small_pipeline(2, epochs=1, batch_size=640)
     plan = make_plan(pipeline, 640)
-    plan = type(plan)(**{**plan.as_dict(), "noise_multiplier": 0.0})
+    plan = replace(plan, noise_multiplier=0.0)
     model, data = initial_parameters(pipeline)
     clipper = PerExampleClipper(model, CLIP)
     clipper.accumulate(cross_entropy_loss, model, data.train_features, data.train_labels)
@@ -198,8 +199,8 @@ def test_lsg_on_two_workers_adds_one_draw_to_the_kept_entries_only(ray_session, 
                     "mechanism": "lsg", "lsg": {"rank": 4, "sparsity": 0.5}},
     })
     plan = make_plan(pipeline, 640)
-    # LSG accounting = DP-SGD accounting: the same plan but for the mechanism's name.
-    assert plan == replace(make_plan(small_pipeline(2), 640), mechanism="lsg")
+    # LSG accounting = DP-SGD accounting: the same plan but for the mechanism.
+    assert plan == replace(make_plan(small_pipeline(2), 640), mechanism=mechanism_named("lsg"))
     result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
     # Only the 20 -> 128 layer is adapted (the 128 -> 2 head has min(n, m) = 2 <= rank 4):
     # kept carriers (128 - 64) * 4 + (20 - 10) * 4 = 296, its bias 128, the head's 258.

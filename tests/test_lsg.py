@@ -208,7 +208,7 @@ def digits_pipeline(mechanism, **lsg):
 def test_lsg_accounting_equals_dpsgd_and_it_learns():
     dpsgd, lsg = digits_pipeline("dpsgd"), digits_pipeline("lsg", rank=4, sparsity=0.5)
     # The same plan but for the mechanism's name, and the same dp_event.
-    assert replace(make_plan(dpsgd, 1438), mechanism="lsg") == make_plan(lsg, 1438)
+    assert replace(make_plan(dpsgd, 1438), mechanism=LowRankSparse) == make_plan(lsg, 1438)
     assert (make_plan(dpsgd, 1438).spend(10, 0).dp_event()
             == make_plan(lsg, 1438).spend(10, 0).dp_event())
     plan = make_plan(lsg, 1438)

@@ -2,6 +2,7 @@
 included), Hugging Face's schedules stepped once per logical step, and restored on resume.
 In-process, no Ray."""
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -126,6 +127,25 @@ def test_schedule_counts_logical_steps_as_get_scheduler_does(schedule, warmup, h
     expected = reference_lrs(hf_name, warmup, 15, 0.1, steps)
     assert [row["lr"] for row in result.metrics] == pytest.approx(expected, rel=1e-12)
     assert len({round(lr, 12) for lr in expected}) > 1  # the schedule really moved
+
+
+def test_the_constant_schedule_is_get_schedulers_and_needs_no_transformers(monkeypatch):
+    p = pipeline()  # schedule: constant, no warmup
+    plan = make_plan(p, 160)
+    result = train(p, plan, LocalContext(on_epoch=lambda row: None))
+    expected = reference_lrs("constant", 0, 15, 0.1, [5, 10, 15])
+    assert [row["lr"] for row in result.metrics] == pytest.approx(expected, rel=1e-12)
+    # A checkpoint's schedule state loads into HF's constant schedule and back.
+    model, _ = model_of(p)
+    ours = make_schedule(make_optimizer(model, p.training), p.training, 15)
+    theirs = get_scheduler("constant", make_optimizer(model, p.training))
+    theirs.load_state_dict(ours.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    # Without transformers (an import of it fails): the constant schedule never asks for it.
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    make_schedule(make_optimizer(model, p.training), p.training, 15)
+    with pytest.raises(ImportError):
+        make_schedule(make_optimizer(model, p.training), pipeline(schedule="linear").training, 15)
 
 
 class ResumingContext(LocalContext):

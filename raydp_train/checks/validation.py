@@ -27,7 +27,7 @@ def print_validation(pipeline: Pipeline, dataset, plan: PrivacyPlan,
     print(f"sampling rate q         {plan.sampling_rate:.6g} (expected batch {plan.expected_batch_size})")
     print(f"steps                   {plan.steps}")
     if not plan.private:
-        print(f"NOT PRIVATE             privacy.mechanism {plan.mechanism}: no clipping, no "
+        print(f"NOT PRIVATE             privacy.mechanism {plan.mechanism.name}: no clipping, no "
               "noise, epsilon inf")
         return True
     how = "calibrated to target_epsilon" if plan.noise_calibrated else "given"

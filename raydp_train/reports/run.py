@@ -67,7 +67,7 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         "noise": "one Gaussian draw per step on rank 0, summed by all-reduce",
         "noise_mode": result.noise_mode,  # fast, secure or seeded (run.noise, run.seed)
         "noise_source": NOISE_SOURCES[result.noise_mode],
-        "mechanism": plan.mechanism,
+        "mechanism": plan.mechanism.name,
         "private": plan.private,  # false: the non-private reference
         # A model that never took a step is the untrained initialization: nothing to release.
         "for_release": (result.noise_mode != "seeded" and plan.private

@@ -140,4 +140,4 @@ def tune_callbacks(pipeline: Pipeline) -> list:
 def _plan_params(plan) -> dict:
     return {"sampling_rate": plan.sampling_rate, "noise_multiplier": plan.noise_multiplier,
             "clip_norm": plan.clip_norm, "delta": plan.delta, "planned_steps": plan.steps,
-            "mechanism": plan.mechanism, "accountant": plan.accountant}
+            "mechanism": plan.mechanism.name, "accountant": plan.accountant}

@@ -67,13 +67,20 @@ def make_optimizer(model: nn.Module, training) -> torch.optim.Optimizer:
 
 def make_schedule(optimizer: torch.optim.Optimizer, training, total_steps: int):
     """Hugging Face's scheduler of that name over `total_steps` logical steps (not re-derived
-    here: `get_scheduler` is the reference)."""
+    here: `get_scheduler` is the reference). A constant rate without warmup is the LambdaLR of
+    a multiplier 1 that HF's constant schedule is: importing transformers for it would cost
+    each worker of every run seconds of CPU (benchmarks/RESULTS.md, suite floor)."""
+    warmup = training.warmup_for(total_steps)
+    if training.schedule == "constant" and not warmup:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, _unchanged_rate)
     from transformers import get_scheduler
 
-    warmup = training.warmup_for(total_steps)
-    name = "constant_with_warmup" if training.schedule == "constant" and warmup else \
-        training.schedule
+    name = "constant_with_warmup" if training.schedule == "constant" else training.schedule
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def _unchanged_rate(step: int) -> float:
+    return 1.0
 
 
 def schedule_scale(optimizer: torch.optim.Optimizer) -> float:

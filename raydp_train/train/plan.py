@@ -1,8 +1,10 @@
-"""The privacy plan of a run: what a pipeline will spend, derived before any training."""
+"""The privacy plan of a run: what a pipeline will spend, derived before any training, and
+the mechanism that spends it, resolved once from its registered name: the driver, the budget
+and the workers receive this frozen object, never the name to look up again."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from raydp_train.accounting.epsilon import (
     calibrate_noise_multiplier,
@@ -11,7 +13,7 @@ from raydp_train.accounting.epsilon import (
 )
 from raydp_train.budget.terms import Spend
 from raydp_train.errors import UserError
-from raydp_train.privacy.mechanism import mechanism_named
+from raydp_train.privacy.mechanism import DpSgd, Mechanism, mechanism_named
 from raydp_train.privacy.sampling import sampling_rate, total_steps
 
 
@@ -31,14 +33,19 @@ class PrivacyPlan:
     delta: float
     accountant: str
     epochs: int = 1
-    mechanism: str = "dpsgd"  # a registered name (privacy/mechanism.py)
+    mechanism: type[Mechanism] = DpSgd  # the registered class (privacy/mechanism.py)
     # Noise on each released count of correct validation predictions (sensitivity 1), one
     # release per epoch; 0 when nothing private is released besides the model.
     release_noise_multiplier: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.mechanism, type) and issubclass(self.mechanism, Mechanism)):
+            raise TypeError("PrivacyPlan.mechanism: a registered Mechanism class "
+                            f"(mechanism_named(name)), got {self.mechanism!r}")
+
     @property
     def private(self) -> bool:
-        return mechanism_named(self.mechanism).private
+        return self.mechanism.private
 
     @property
     def releases_per_epoch(self) -> int:
@@ -61,7 +68,7 @@ class PrivacyPlan:
         """A budget reservation for `steps` training steps and `releases` metric releases."""
         return Spend(self.sampling_rate, self.noise_multiplier, steps,
                      self.release_noise_multiplier if releases else 0.0, releases,
-                     mechanism=self.mechanism)
+                     mechanism=self.mechanism.name)
 
     def rough_epsilon(self) -> float:
         if not self.private:
@@ -69,9 +76,6 @@ class PrivacyPlan:
         return rough_epsilon_estimate(
             self.sampling_rate, self.noise_multiplier, self.steps, self.delta
         )
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
@@ -99,7 +103,8 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
             "privacy.target_epsilon: calibration covers the training steps only; with noisy "
             "validation releases (data.validation.noise_multiplier) set privacy.noise_multiplier"
         )
-    private = mechanism_named(privacy.mechanism).private
+    mechanism = mechanism_named(privacy.mechanism)
+    private = mechanism.private
     if not private:
         sigma = 0.0  # the non-private reference: epsilon is infinite
     elif sigma is None:
@@ -120,6 +125,6 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         delta=privacy.delta,
         accountant=privacy.accountant,
         epochs=training.epochs,
-        mechanism=privacy.mechanism,
+        mechanism=mechanism,
         release_noise_multiplier=release_sigma,
     )

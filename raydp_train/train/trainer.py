@@ -102,7 +102,7 @@ def fit(
     splits = file_splits(pipeline.data)  # the splits that reach the workers as shards, or None
     config = {
         "pipeline": pipeline.model_dump(mode="json"),
-        "plan": plan.as_dict(),
+        "plan": plan,
         "run_dir": str(run_dir),
         "progress": progress,
         "after_step": after_step,
@@ -231,7 +231,7 @@ def _print_progress(progress: Queue, on_epoch, on_progress, stop: threading.Even
 
 def _train_loop_per_worker(config: dict) -> TrainResult:
     pipeline = pipeline_from_dict(config["pipeline"])
-    plan = PrivacyPlan(**config["plan"])
+    plan = config["plan"]
     account = RunAccount(ChargeLedger(config["run_dir"]), config["budget"], config["owner"], plan,
                          epsilon_cap(pipeline, plan), config["ceiling"])
     context = RayTrainContext(config["progress"], account, config["run_dir"], config["splits"],

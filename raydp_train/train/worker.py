@@ -16,7 +16,7 @@ from raydp_train.data.sources import Dataset, load_data
 from raydp_train.data.targets import label_kind
 from raydp_train.models.builders import build_model
 from raydp_train.models.hf_files import tokenizer_source
-from raydp_train.privacy.mechanism import Mechanism, make_mechanism
+from raydp_train.privacy.mechanism import Mechanism
 from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train import evaluation
@@ -40,10 +40,10 @@ def _shared_seed(pipeline, context) -> int:
     return context.gather(int.from_bytes(os.urandom(8), "little") if seed is None else seed)[0]
 
 
-def _mechanism(pipeline, shared_seed: int) -> Mechanism:
-    """The pipeline's mechanism; its own randomness (LSG's carriers) is the same on every
-    rank, from rank 0's seed."""
-    return make_mechanism(pipeline.privacy, torch.Generator().manual_seed(shared_seed))
+def _mechanism(pipeline, plan: PrivacyPlan, shared_seed: int) -> Mechanism:
+    """The plan's mechanism for this rank; its own randomness (LSG's carriers) is the same on
+    every rank, from rank 0's seed."""
+    return plan.mechanism(pipeline.privacy, torch.Generator().manual_seed(shared_seed))
 
 
 def epoch_ends(epochs: int, expected_batch_size: int, num_examples: int) -> list[int]:
@@ -87,7 +87,7 @@ class WorkerRun:
         self.pipeline, self.plan, self.context, self.local, self.model = (
             pipeline, plan, context, local, model)
         shared_seed = _shared_seed(pipeline, context)
-        self.mechanism = _mechanism(pipeline, shared_seed)
+        self.mechanism = _mechanism(pipeline, plan, shared_seed)
         # May freeze what the mechanism does not train.
         self.clipper = self.mechanism.attach(model, plan.clip_norm)
         self.optimizer = make_optimizer(model, training)
