@@ -13,7 +13,6 @@ from raydp_train.data.targets import LABEL_KINDS, LabelKind
 from raydp_train.models.custom import training_loss
 from raydp_train.models.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.privacy.noise import fill_gaussian_noise_
-from raydp_train.train.plan import PrivacyPlan
 
 
 def test_baselines(local: Dataset, kind: LabelKind, context) -> dict[str, float]:
@@ -47,13 +46,14 @@ def frozen_prefix_cache(training, model_config, model: nn.Module, local: Dataset
     return cached_prefix_loss(prefix), prefix.outputs(model, local.train_features), score
 
 
-def released_accuracy(correct: int, rows: int, plan: PrivacyPlan, noise_generator) -> float:
+def released_accuracy(correct: int, rows: int, release_noise_multiplier: float,
+                      noise_generator) -> float:
     """Validation accuracy as released: (correct + N(0, sigma_r^2)) / rows when the rows are
-    private and a release noise is set (a count changes by at most 1 per example)."""
+    private and a release noise sigma_r is set (a count changes by at most 1 per example)."""
     released = float(correct)
-    if plan.release_noise_multiplier > 0:
+    if release_noise_multiplier > 0:
         noise = torch.empty(1, device=noise_generator.device)
-        fill_gaussian_noise_(noise, plan.release_noise_multiplier, noise_generator)
+        fill_gaussian_noise_(noise, release_noise_multiplier, noise_generator)
         released += noise.item()
     return released / max(rows, 1)
 

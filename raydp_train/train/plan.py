@@ -1,6 +1,6 @@
-"""The privacy plan of a run: what a pipeline will spend, derived before any training, and
-the mechanism that spends it, resolved once from its registered name: the driver, the budget
-and the workers receive this frozen object, never the name to look up again."""
+"""The plan of a run: what a pipeline will spend, derived before any training, the mechanism
+that spends it and the task it trains for, each resolved once from its name: the driver, the
+budget and the workers receive this frozen object, never a name to look up again."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from raydp_train.budget.terms import Spend
 from raydp_train.errors import UserError
 from raydp_train.privacy.mechanism import DpSgd, Mechanism, mechanism_named
 from raydp_train.privacy.sampling import sampling_rate, total_steps
+from raydp_train.train.tasks import Task, task_of
 
 
 class PlanError(UserError, ValueError):
@@ -37,6 +38,9 @@ class PrivacyPlan:
     # Noise on each released count of correct validation predictions (sensitivity 1), one
     # release per epoch; 0 when nothing private is released besides the model.
     release_noise_multiplier: float = 0.0
+    # What the workers train for (train/tasks.py); None in a user's own loop, which brings
+    # its own loss and metrics (train/own_loop.py).
+    task: Task | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.mechanism, type) and issubclass(self.mechanism, Mechanism)):
@@ -127,4 +131,5 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         epochs=training.epochs,
         mechanism=mechanism,
         release_noise_multiplier=release_sigma,
+        task=task_of(pipeline),
     )

@@ -3,20 +3,22 @@ targets read from a label column, whose kind says what they are (data/targets.py
 real values, multi-hot sets), or a causal LM's next tokens. Each task gives the per-example
 training loss, the held-out score as sums that add over ranks, the test metrics from those
 sums, the baselines to beat and the validation count it releases. A new task is one class
-here and its row in the schema's task table (config/data_model.py)."""
+here and its row in the schema's task table (config/data_model.py). The run's plan carries
+its task (train/plan.py), so torch loads only when a task is used: `validate` plans without
+it."""
 
 from __future__ import annotations
 
 import math
-
-from torch import nn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from raydp_train.config.data_model import is_causal_lm
 from raydp_train.data.sources import Dataset
 from raydp_train.data.targets import LabelKind, label_kind
-from raydp_train.models.custom import training_loss
-from raydp_train.models.hf_causal import causal_lm_loss, token_loss_sum
-from raydp_train.train import evaluation
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 class Task:
@@ -42,21 +44,26 @@ class Task:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
 class LabelTask(Task):
     """Targets from the label column: everything the label kind decides."""
 
-    def __init__(self, kind: LabelKind) -> None:
-        self.kind = kind
+    kind: LabelKind
 
     def training_loss(self, model_config):
+        from raydp_train.models.custom import training_loss
+
         return training_loss(model_config, self.kind)
 
     def loss_and_score(self, pipeline, model: nn.Module, local: Dataset):
-        return evaluation.frozen_prefix_cache(pipeline.training, pipeline.model, model, local,
-                                              self.kind)
+        from raydp_train.train.evaluation import frozen_prefix_cache
+
+        return frozen_prefix_cache(pipeline.training, pipeline.model, model, local, self.kind)
 
     def baselines(self, local: Dataset, context) -> dict[str, float]:
-        return evaluation.test_baselines(local, self.kind, context)
+        from raydp_train.train.evaluation import test_baselines
+
+        return test_baselines(local, self.kind, context)
 
     def test_metrics(self, totals: list[float]) -> dict[str, float]:
         return self.kind.metrics(totals, "test")
@@ -65,14 +72,19 @@ class LabelTask(Task):
         return self.kind.released_count(totals)
 
 
+@dataclass(frozen=True)
 class NextTokens(Task):
     """A causal LM's targets, each text's next tokens (`model.task: causal_lm`): its score is
     (token loss sum, tokens); no baselines, and no validation release (the schema refuses one)."""
 
     def training_loss(self, model_config):
+        from raydp_train.models.hf_causal import causal_lm_loss
+
         return causal_lm_loss(model_config.loss_reduction)
 
     def loss_and_score(self, pipeline, model: nn.Module, local: Dataset):
+        from raydp_train.models.hf_causal import token_loss_sum
+
         splits = {"test": local.test_features, "validation": local.validation_features}
         return (self.training_loss(pipeline.model), None,
                 lambda model, split: token_loss_sum(model, splits[split]))

@@ -27,7 +27,6 @@ from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scal
 from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.result import TrainResult
 from raydp_train.train.step import AUTOCAST_DTYPES, private_step
-from raydp_train.train.tasks import task_of
 from raydp_train.train.threads import use_threads
 
 # Seconds between progress lines within an epoch (SST-2 epochs take minutes).
@@ -101,7 +100,7 @@ class WorkerRun:
             None if seed is None else seed + 1 + context.rank)
         self.engine_checks = EngineChecks(pipeline.privacy.self_check, shared_seed + 1,
                                           context.gather, AUTOCAST_DTYPES[training.precision])
-        self.task = task_of(pipeline)
+        self.task = plan.task
         self.step, self.first_epoch = 0, 1
 
     @classmethod
@@ -217,7 +216,8 @@ class WorkerRun:
             context.releasing_metric(epoch)
             counts = self.task.released_count(self._evaluate("validation"))
             row["validation_accuracy"] = context.gather(
-                evaluation.released_accuracy(*counts, plan, self.noise_generator))[0]
+                evaluation.released_accuracy(*counts, plan.release_noise_multiplier,
+                                             self.noise_generator))[0]
         return row
 
     def _evaluate(self, split: str) -> list[float]:
