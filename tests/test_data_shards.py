@@ -66,3 +66,18 @@ def test_a_split_cut_from_a_file_is_not_sharded(tmp_path):
     pipeline = numeric_pipeline(tmp_path)
     cut = pipeline.data.model_copy(update={"test_path": None, "train_fraction": 0.8})
     assert file_splits(cut) is None
+
+
+def test_split_files_are_read_by_ray_datas_first_parquet_reader(ray_session, tmp_path):
+    """Ray Data 2.60's default Parquet reader lists files through a pool of 32 footer-reading
+    actors on every read: a storm of processes for one file per split (2.7x the wall time of
+    a run on 2 cores, benchmarks/RESULTS.md). The splits go through its first reader
+    (data/parquet_reads.py), and the caller's DataContext keeps its own setting."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    before = context.use_datasource_v2, context.enable_progress_bars
+    datasets = split_datasets(numeric_pipeline(tmp_path))
+    assert (context.use_datasource_v2, context.enable_progress_bars) == before
+    stats = datasets["test"].materialize().stats()
+    assert "ReadParquet" in stats and "ListFiles" not in stats, stats

@@ -20,6 +20,7 @@ import ray.data
 from ray.train import DataConfig
 
 from raydp_train.data.columns import numeric_rows, text_labels
+from raydp_train.data.parquet_reads import read_parquet
 from raydp_train.data.text import tokenize_batch
 from raydp_train.models.hf_files import tokenizer_source
 
@@ -54,7 +55,7 @@ def split_datasets(pipeline) -> dict[str, ray.data.Dataset]:
     for name, path in file_splits(data).items():
         rows = pq.ParquetFile(path).metadata.num_rows  # the footer alone
         per_block = block_rows(rows, pipeline.training.workers)
-        read = ray.data.read_parquet(str(path)).select_columns(columns).repartition(
+        read = read_parquet(path).select_columns(columns).repartition(
             target_num_rows_per_block=per_block)
         datasets[name] = read.map_batches(  # one block per batch: the blocks stay as cut
             _rows, fn_kwargs={"data": data, "path": path, "tokenizer": tokenizer},

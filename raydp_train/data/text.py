@@ -4,7 +4,7 @@
 once and turns a batch of sentences into [batch, 2, max_length] int32 (token ids and attention mask,
 padded or truncated to max_length). Row order is preserved, so splits stay deterministic.
 `data.check_text_file` checks the file's schema with pyarrow first, so a wrong column fails
-before Ray starts; this module knows nothing of the rest of the data layer (no import of it).
+before Ray starts; this module imports no other part of the data layer than its Parquet read (parquet_reads).
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ def tokenize_parquet(path: Path, text_column: str, tokenizer_path: str,
     """[N, 2, max_length] int32 token ids and masks of every row of `path`, in file order."""
     import ray.data
 
+    from raydp_train.data.parquet_reads import read_parquet
+
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # rows stay in file order
-    texts = ray.data.read_parquet(str(path)).select_columns([text_column])
+    texts = read_parquet(path).select_columns([text_column])
     tokenized = texts.map_batches(
         tokenize_batch, fn_kwargs={"tokenizer_path": tokenizer_path, "text_column": text_column,
                                    "max_length": max_length},

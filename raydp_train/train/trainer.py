@@ -36,6 +36,7 @@ class RunInterrupted(RuntimeError):
 # waits for a poll; our epochs are often shorter than that. Ray Train passes these variables
 # from the process that calls fit() to its controller and workers, on any cluster.
 TRAIN_SETTINGS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
 def ensure_ray(address: str | None, num_cpus: int, verbose: bool = False) -> None:
@@ -51,6 +52,8 @@ def ensure_ray(address: str | None, num_cpus: int, verbose: bool = False) -> Non
         # `ray start --head` on this machine recorded (and refuses num_cpus there).
         # Logical CPUs may exceed the machine's: workers, the progress queue and Ray's own
         # controller must all be schedulable on a 2-core laptop (ARCHITECTURE.md §4).
+        # A Ray of one machine is never drained for preemption: no watcher actor per run.
+        os.environ.setdefault(PREEMPTION_WATCHER, "0")
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                  _system_config=_startup_concurrency(), **output)
 
