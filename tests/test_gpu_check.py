@@ -24,7 +24,7 @@ def test_gpu_check_is_valid_bash_and_refuses_unknown_options():
 @pytest.mark.skipif(not SST2.is_file(), reason=f"the SST-2 files are not at {SST2}")
 def test_gpu_check_dry_run_runs_every_check_on_the_cpu():
     done = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True,
-                          timeout=900, check=False,
+                          timeout=1800, check=False,
                           env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     table = done.stdout[done.stdout.index("## GPU check (CPU dry run"):]

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import dp_accounting
-from dp_accounting import mechanism_calibration, pld, rdp
+if TYPE_CHECKING:
+    import dp_accounting
 
 # dp-accounting's RDP warns (through absl's logger) each time it drops an order whose series
 # does not converge; dropping orders only loosens the bound, which stays valid.
@@ -36,6 +36,8 @@ _RELATIVE_SIGMA_TOL = 1e-8
 
 def dpsgd_event(sampling_rate: float, noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
     """``steps`` DP-SGD steps: ``SelfComposed(PoissonSampled(q, Gaussian(sigma)), steps)``."""
+    import dp_accounting  # here, not above: a Ray worker that computes no epsilon skips scipy
+
     return dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(
             sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
@@ -46,6 +48,8 @@ def dpsgd_event(sampling_rate: float, noise_multiplier: float, steps: int) -> dp
 
 def gaussian_release_event(noise_multiplier: float, releases: int) -> dp_accounting.DpEvent:
     """``releases`` Gaussian mechanisms of sensitivity 1 (e.g. noisy counts of correct answers)."""
+    import dp_accounting
+
     return dp_accounting.SelfComposedDpEvent(
         dp_accounting.GaussianDpEvent(noise_multiplier), releases
     )
@@ -55,6 +59,8 @@ def repeat_and_select_event(
     trial_event: dp_accounting.DpEvent, mean_trials: float, shape: float
 ) -> dp_accounting.DpEvent:
     """A random number of trials (mean, shape; Papernot & Steinke 2022) and the best one kept."""
+    import dp_accounting
+
     return dp_accounting.dp_event.RepeatAndSelectDpEvent(trial_event, mean_trials, shape)
 
 
@@ -62,6 +68,8 @@ def composed_epsilon(
     events: list[dp_accounting.DpEvent], delta: float, accountant: Accountant = "rdp"
 ) -> float:
     """Epsilon at ``delta`` of all ``events`` composed, by the chosen accountant."""
+    import dp_accounting
+
     ledger = make_accountant(accountant)
     ledger.compose(dp_accounting.ComposedDpEvent(list(events)))
     return float(ledger.get_epsilon(delta))
@@ -69,6 +77,8 @@ def composed_epsilon(
 
 def make_accountant(accountant: Accountant) -> dp_accounting.PrivacyAccountant:
     """A fresh dp-accounting accountant: ``RdpAccountant()`` or ``PLDAccountant()``."""
+    from dp_accounting import pld, rdp
+
     if accountant == "rdp":
         return rdp.RdpAccountant()
     if accountant == "pld":
@@ -118,8 +128,9 @@ def calibrate_noise_multiplier(
 
     Solved by ``dp_accounting.mechanism_calibration.calibrate_dp_mechanism`` (Brent's method,
     tolerance ~1e-8 relative in sigma) on a bracket found by doubling/halving from the rough
-    estimate; the result's epsilon is at most the target and within 1e-3 of it.
-    """
+    estimate; the result's epsilon is at most the target and within 1e-3 of it."""
+    from dp_accounting import mechanism_calibration
+
     _check_common(sampling_rate, delta, steps)
     make_accountant(accountant)
     if not target_epsilon > 0.0 or math.isinf(target_epsilon):

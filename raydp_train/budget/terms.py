@@ -5,12 +5,14 @@ event, and the error of a request that cannot be served."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import dp_accounting
+from typing import TYPE_CHECKING
 
 from raydp_train.accounting.epsilon import gaussian_release_event, repeat_and_select_event
 from raydp_train.errors import UserError
 from raydp_train.privacy.mechanism import MECHANISMS, mechanism_named
+
+if TYPE_CHECKING:
+    import dp_accounting
 
 
 class BudgetError(UserError, RuntimeError):
@@ -47,6 +49,8 @@ class Spend:
         return self.mean_trials > 0
 
     def dp_event(self) -> dp_accounting.DpEvent:
+        import dp_accounting  # here: a Ray worker that only carries a Spend skips scipy
+
         parts = []
         if self.steps:
             parts.append(mechanism_named(self.mechanism).dp_event(
