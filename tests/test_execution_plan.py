@@ -59,3 +59,21 @@ def test_the_worker_trains_with_the_plans_task():
 def test_a_users_own_loop_plans_without_a_task():
     plan = PrivacyPlan(160, 32, 0.2, 10, 1.0, False, 1.0, 1e-5, "rdp")
     assert plan.task is None and plan.mechanism is DpSgd
+
+
+def test_a_worker_receiving_the_plan_imports_no_dp_accounting():
+    """Every Ray Train worker unpickles the plan and imports the training loop; dp-accounting
+    (and the scipy it loads, about 2.7 CPU s a process on 2 cores) is imported only where an
+    epsilon or an event is computed, which a worker's plan never needs."""
+    import pickle
+    import subprocess
+    import sys
+
+    plan = make_plan(pipeline_from_dict(PIPELINE), 160)
+    script = ("import pickle, sys; import raydp_train.train.worker; "
+              "pickle.loads(sys.stdin.buffer.read()); "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+              "('dp_accounting', 'scipy')))")
+    done = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(plan),
+                          capture_output=True, check=True)
+    assert done.stdout.decode().strip() == "[]", done.stdout.decode()[:500]
