@@ -4,7 +4,8 @@
 once and turns a batch of sentences into [batch, 2, max_length] int32 (token ids and attention mask,
 padded or truncated to max_length). Row order is preserved, so splits stay deterministic.
 `data.check_text_file` checks the file's schema with pyarrow first, so a wrong column fails
-before Ray starts; this module imports no other part of the data layer than its Parquet read (parquet_reads).
+before Ray starts; of the data layer this module imports only its Parquet read
+(parquet_reads).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import functools
 from pathlib import Path
 
 import numpy as np
+
+from raydp_train.data.parquet_reads import read_parquet
 
 
 @functools.cache
@@ -37,8 +40,6 @@ def tokenize_parquet(path: Path, text_column: str, tokenizer_path: str,
                      max_length: int) -> np.ndarray:
     """[N, 2, max_length] int32 token ids and masks of every row of `path`, in file order."""
     import ray.data
-
-    from raydp_train.data.parquet_reads import read_parquet
 
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # rows stay in file order
