@@ -12,7 +12,7 @@ import torch
 from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
-from faults import FailOnce
+from faults import AccountantOnRankZeroOnly, FailOnce
 
 from raydp_train.commands.cli import main
 from raydp_train.config.pipeline import pipeline_from_dict
@@ -68,7 +68,11 @@ def test_noise_is_one_draw_per_step_whatever_the_world_size(ray_session, tmp_pat
     pipeline = small_pipeline(workers)
     plan = make_plan(pipeline, 640)
     model, _ = initial_parameters(pipeline)
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
+    # Epoch 1 ends at step 10: from then on rank 1 has no accountant loaded (only rank 0's
+    # row is published).
+    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None,
+                 after_step=AccountantOnRankZeroOnly(15))
+    assert not (tmp_path / "run" / AccountantOnRankZeroOnly.MARKER).exists()
     total_update = flat(result.model) - flat(model)
     expected = plan.steps**0.5 * SIGMA * CLIP / plan.expected_batch_size
     assert result.steps_done == plan.steps == 20

@@ -205,7 +205,10 @@ class WorkerRun:
             "examples_seen": int(totals[1]),
             "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
             **self.task.test_metrics(self._evaluate("test")),
-            "epsilon": plan.epsilon(charged.steps, releases=charged.releases),
+            # Ray Train publishes rank 0's row: the other ranks skip the accountant, and
+            # importing dp-accounting (scipy), about 3 CPU s a worker process.
+            "epsilon": (plan.epsilon(charged.steps, releases=charged.releases)
+                        if context.rank == 0 else None),
             "elapsed_s": time.monotonic() - self.started,
             # training.lr as scheduled
             "lr": self.pipeline.training.lr * schedule_scale(self.optimizer),
