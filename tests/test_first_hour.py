@@ -3,7 +3,8 @@ files as a user makes them (pandas): their own churn table with raw columns and 
 validated, run, stopped with Ctrl-C and run again with the same command, used through
 `predict`; a sweep on the same budget and its best model; a few hundred review sentences
 fine-tuned from the shipped MiniLM with DP-LoRA, loaded back with transformers' pipeline and
-with peft. Each step ends as the README says it does."""
+with peft (on the mean-pooling wrapper; refused on the [CLS] class). Each step ends as the
+README says it does."""
 
 import json
 from pathlib import Path
@@ -165,5 +166,14 @@ def test_the_first_hour(ray_session, tmp_path, monkeypatch, capsys):
     inputs = tokenizer(test_reviews["review"].tolist(), max_length=12, truncation=True,
                        padding=True, return_tensors="pt")
     with torch.no_grad():
-        by_peft = adapted(**inputs).logits.argmax(-1).numpy()
-    assert float(np.mean(by_peft == labels)) == pytest.approx(recorded, abs=1e-6)
+        logits = adapted(**inputs).logits
+        merged = classify.model.eval()(**inputs).logits  # model/: the adapters merged in
+    torch.testing.assert_close(logits, merged, rtol=1e-4, atol=1e-5)
+    assert float(np.mean(logits.argmax(-1).numpy() == labels)) == pytest.approx(recorded,
+                                                                                abs=1e-6)
+    # MiniLM pools by mean: on the checkpoint's own class, which pools [CLS], peft finds no
+    # module the adapter names (the wrapper above is the way).
+    with pytest.raises(ValueError, match="not found in the base model"):
+        peft.PeftModel.from_pretrained(transformers.AutoModelForSequenceClassification
+                                       .from_pretrained(resolve_name_or_path(MINILM),
+                                                        num_labels=2), text_run / "adapter")

