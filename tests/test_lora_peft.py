@@ -24,8 +24,8 @@ SETTINGS = ["privacy.mechanism=lora", "privacy.lora.rank=2", "privacy.clip_norm=
             "run.seed=0"]
 
 
-def _lora_run(tmp_path, pooling: str):
-    pipeline = text_pipeline(tmp_path, pooling=pooling)
+def _lora_run(tmp_path):
+    pipeline = text_pipeline(tmp_path, pooling="cls")
     assert main(["run", pipeline, *[x for s in SETTINGS for x in ("--set", s)]]) == 0
     (run_dir,) = (tmp_path / "runs").iterdir()
     return run_dir, json.loads((run_dir / "record.json").read_text())
@@ -50,7 +50,7 @@ def _base():
 
 def test_the_adapter_alone_on_the_checkpoint_reproduces_the_runs_accuracy(ray_session,
                                                                          tmp_path):
-    run_dir, record = _lora_run(tmp_path, "cls")
+    run_dir, record = _lora_run(tmp_path)
     adapted = peft.PeftModel.from_pretrained(_base(), run_dir / "adapter").eval()
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     assert "classifier" in config["modules_to_save"]  # the head trained by DP-SGD
