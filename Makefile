@@ -11,9 +11,13 @@ STAMP := $(VENV)/.installed
 run: $(STAMP)
 	$(BIN)/raydp-train run pipelines/quickstart.yaml
 
-# Every test over 10 s is listed at the end: where the suite's time goes.
+# Two pytest-xdist workers, each with its own local Ray: the suite is CPU-bound, and one
+# process leaves a quarter of 2 cores idle while Ray starts, stops and waits. Tests that share
+# a cluster or a run stay on one worker (tests/conftest.py). Every test over 10 s is listed
+# at the end: where the suite's time goes.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest --durations=0 --durations-min=10
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=0 --durations-min=10
 
 # The edit loop: math, schema, ledger, engine; no Ray and no other process (tests/conftest.py).
 test-fast: $(STAMP)

@@ -10,16 +10,46 @@ import torch
 # A test whose own source (or its module's helpers it names) does one of these starts
 # processes: the CLI in this process (it starts an embedded Ray), a subprocess, a Ray head.
 PROCESS_WORDS = ("subprocess", "Popen", 'main(["run"', "main(['run'", "run_pipeline(",
-                 "ray.init", "start_head", "ray_head")
+                 "ray.init", "start_head", "ray_head", "start_cluster")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Marks `ray` (uses the session's Ray) and `slow` (starts processes) on each test."""
+    """Marks `ray` (uses the session's Ray) and `slow` (starts processes) on each test, keeps
+    the tests that share a costly fixture in one xdist group, and puts the slow ones first."""
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.ray)
         if _starts_processes(item):
             item.add_marker(pytest.mark.slow)
+        group = _shared_fixture_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    # `make test` runs on 2 xdist workers: the longest first, so neither waits alone at the end.
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow")
+               or item.get_closest_marker("cluster") else 1 if item.get_closest_marker("ray")
+               else 2)
+
+
+# Fixtures every worker of `make test` may start for itself: each keeps one local Ray.
+PER_WORKER_FIXTURES = {"ray_session"}
+
+
+def _shared_fixture_group(item) -> str | None:
+    """The test's module (or session fixture) when it uses one of our module- or
+    session-scoped fixtures that starts processes: a Ray head, a cluster, runs that other
+    tests read. Tests that share one run on the same xdist worker, so it starts once."""
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for name, defs in sorted(definitions.items()):
+        fixture = defs[-1]
+        if name in PER_WORKER_FIXTURES or fixture.scope not in ("module", "session"):
+            continue
+        if Path(inspect.getfile(fixture.func)).parent != Path(__file__).parent:
+            continue  # pytest's own (tmp_path_factory, ...)
+        source = inspect.getsource(fixture.func)
+        if "ray_session" in fixture.argnames or any(word in source for word in PROCESS_WORDS):
+            return name if fixture.scope == "session" else item.module.__name__
+    return None
 
 
 def _starts_processes(item) -> bool:
