@@ -21,8 +21,6 @@ from raydp_train.train.context import PROGRESS_FILE, newest_checkpoint
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
 SST2 = ROOT.parent / "shared" / "data" / "sst2"
-QUICKSTART = ["pipelines/quickstart.yaml", "--set", "run.seed=0", "--set", "training.epochs=3",
-              "--set", "training.workers=2"]
 
 
 @pytest.fixture(scope="module")
@@ -44,26 +42,37 @@ def record_of(output_dir: Path) -> dict:
 def test_two_workers_on_two_nodes_train_as_two_workers_on_one(cluster, ray_session, tmp_path):
     """A job submitted from a machine outside the cluster (`ray job submit` to the head's
     dashboard, the repository as its working dir): STRICT_SPREAD puts one worker on each node;
-    the run, its one noise draw per step and its epsilon are those of the same two workers on
-    one node, to the last bit."""
+    the run and its epsilon are those of the same two workers on one node, to the last bit.
+    sigma is so large that the clipped sums vanish next to the noise: the last step's reduced
+    sum has std sigma C (one draw, on rank 0), not sqrt(2) sigma C (one per worker)."""
+    sigma = 50.0
+    pipeline = _write_pipeline(tmp_path, {
+        "name": "noise-across",
+        "data": {"source": "synthetic", "n_samples": 800},
+        "model": {"kind": "mlp", "hidden_sizes": [128]},
+        "privacy": {"noise_multiplier": sigma, "clip_norm": 1.0, "delta": 1e-5},
+        "training": {"epochs": 2, "batch_size": 64, "lr": 1.0, "workers": 2},
+        "run": {"seed": 3}})
     spread = tmp_path / "spread"
     done = cluster.run(cluster.client, [
         str(BIN / "ray"), "job", "submit", "--address", cluster.dashboard, "--working-dir", ".",
-        "--", str(BIN / "raydp-train"), "run", *QUICKSTART, "--set",
+        "--", str(BIN / "raydp-train"), "run", str(pipeline), "--set",
         "training.placement=strict_spread", "--set", f"run.output_dir={spread}"], cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "succeeded" in done.stdout
     across = record_of(spread)
     assert sorted(across["training"]["worker_nodes"]) == sorted(n.ip for n in cluster.nodes)
+    assert across["training"]["last_step_sum_std"] == pytest.approx(sigma, rel=0.05)
 
     alone = tmp_path / "alone"
-    _run_here([*QUICKSTART, "--set", f"run.output_dir={alone}"])
+    _run_here([str(pipeline), "--set", f"run.output_dir={alone}"])
     single = record_of(alone)
     assert len(set(single["training"]["worker_nodes"])) == 1
     assert across["privacy"]["epsilon"] == single["privacy"]["epsilon"]
     assert across["metrics"] == [{**row, "elapsed_s": across_row["elapsed_s"]}
                                  for row, across_row in zip(single["metrics"], across["metrics"],
                                                             strict=True)]
+    assert across["training"]["last_step_sum_std"] == single["training"]["last_step_sum_std"]
 
 
 @pytest.mark.skipif(not SST2.is_dir(), reason=f"SST-2 is not at {SST2} (shared data absent)")
@@ -120,26 +129,6 @@ def _run_here(arguments: list[str]) -> None:
     the reference a run across the nodes must equal."""
     with contextlib.chdir(ROOT):
         assert main(["run", *arguments]) == 0
-
-
-def test_noise_is_one_draw_per_step_across_nodes(cluster, tmp_path):
-    """sigma so large that the clipped sums vanish next to the noise: the last step's reduced
-    sum has std sigma C (one draw, on rank 0), not sqrt(2) sigma C (one per worker)."""
-    sigma = 50.0
-    pipeline = _write_pipeline(tmp_path, {
-        "name": "noise-across",
-        "data": {"source": "synthetic", "n_samples": 800},
-        "model": {"kind": "mlp", "hidden_sizes": [128]},
-        "privacy": {"noise_multiplier": sigma, "clip_norm": 1.0, "delta": 1e-5},
-        "training": {"epochs": 1, "batch_size": 64, "lr": 1.0, "workers": 2,
-                     "placement": "strict_spread"},
-        "run": {"seed": 3, "output_dir": str(tmp_path / "out")}})
-    done = cluster.run(cluster.head, [str(BIN / "raydp-train"), "run", str(pipeline),
-                                      "--address", cluster.address], cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    training = record_of(tmp_path / "out")["training"]
-    assert len(set(training["worker_nodes"])) == 2
-    assert training["last_step_sum_std"] == pytest.approx(sigma, rel=0.05)
 
 
 def test_a_worker_node_killed_mid_run_resumes_on_the_nodes_left(tmp_path):
