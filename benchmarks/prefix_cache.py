@@ -28,7 +28,7 @@ from step_overhead import write_section
 
 from raydp_train.config.pipeline import load_pipeline
 from raydp_train.data.sources import Dataset
-from raydp_train.data.text import tokenize_batch
+from raydp_train.data.text import tokenize_texts
 from raydp_train.models.builders import build_model
 from raydp_train.models.hf_files import resolve_name_or_path
 from raydp_train.models.hf_prefix import FrozenPrefix, cached_prefix_loss
@@ -46,9 +46,8 @@ PIPELINE = "pipelines/sst2_minilm_dpsgd.yaml"
 def tokenized(pipeline, path: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     data = pipeline.data
     table = pq.read_table(path).slice(0, rows)
-    batch = {data.text_column: table.column(data.text_column).to_numpy(zero_copy_only=False)}
-    tokens = tokenize_batch(batch, resolve_name_or_path(pipeline.model.name_or_path),
-                            data.text_column, data.max_length)["tokens"]
+    tokens = tokenize_texts(table.column(data.text_column).to_pylist(),
+                            resolve_name_or_path(pipeline.model.name_or_path), data.max_length)
     labels = table.column(data.label_column).to_numpy().copy()
     return torch.from_numpy(tokens), torch.from_numpy(labels)
 

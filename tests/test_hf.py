@@ -80,7 +80,7 @@ def _text_parquet(path: Path, rows: int = 240) -> None:
 
 
 @pytest.mark.skipif(not SST2.is_dir(), reason=f"SST-2 is not at {SST2} (shared data absent)")
-def test_sst2_is_tokenized_by_ray_data_in_file_order(ray_session):
+def test_sst2_is_tokenized_in_file_order():
     from raydp_train.data.text import tokenize_parquet
 
     path = SST2 / "dev.parquet"

@@ -1,5 +1,5 @@
 """Parquet splits that scale with the workers (ARCHITECTURE.md §2.10): each split file is a Ray
-Data dataset, read and tokenized on the cluster, and each Ray Train worker materializes only
+Data dataset read on the cluster, and each Ray Train worker materializes (and tokenizes) only
 its own shard; the driver reads no more of the files than their labels.
 
 Sampling is still Poisson over the whole training set: every row lies in exactly one worker's
@@ -21,11 +21,11 @@ from ray.train import DataConfig
 
 from raydp_train.data.columns import numeric_rows, text_labels
 from raydp_train.data.parquet_reads import read_parquet
-from raydp_train.data.text import tokenize_batch
+from raydp_train.data.text import tokenize_texts
 from raydp_train.models.hf_files import tokenizer_source
 
-# The most rows per block (the unit shards are made of) and per tokenizing task, and the rows
-# per batch a worker reads while it materializes its shard.
+# The most rows per block (the unit shards are made of), and the rows per batch a worker
+# reads while it materializes its shard.
 BATCH_ROWS = 1024
 
 
@@ -45,9 +45,9 @@ def file_splits(data) -> dict[str, Path] | None:
 
 
 def split_datasets(pipeline) -> dict[str, ray.data.Dataset]:
-    """Every split of `file_splits` as a lazy Ray Data dataset of {"features", "label"} rows,
-    in file order; nothing is read until the workers iterate their shards."""
-    data, tokenizer = pipeline.data, tokenizer_source(pipeline.model)
+    """Every split of `file_splits` as a lazy Ray Data dataset of the columns the pipeline
+    reads, in file order; nothing is read until the workers iterate their shards."""
+    data = pipeline.data
     text_column = getattr(data, "text_column", None)
     columns = [text_column] if text_column else data.feature_columns or [data.tensor_column]
     columns = [*columns, *([data.label_column] if data.label_column is not None else [])]
@@ -55,11 +55,8 @@ def split_datasets(pipeline) -> dict[str, ray.data.Dataset]:
     for name, path in file_splits(data).items():
         rows = pq.ParquetFile(path).metadata.num_rows  # the footer alone
         per_block = block_rows(rows, pipeline.training.workers)
-        read = read_parquet(path).select_columns(columns).repartition(
+        datasets[name] = read_parquet(path).select_columns(columns).repartition(
             target_num_rows_per_block=per_block)
-        datasets[name] = read.map_batches(  # one block per batch: the blocks stay as cut
-            _rows, fn_kwargs={"data": data, "path": path, "tokenizer": tokenizer},
-            batch_size=per_block, batch_format="pyarrow")
     return datasets
 
 
@@ -70,17 +67,16 @@ def block_rows(rows: int, workers: int) -> int:
     return max(1, math.ceil(rows / (workers * blocks_per_worker)))
 
 
-def _rows(table: pa.Table, data, path: Path, tokenizer: str | None) -> dict[str, np.ndarray]:
-    """One batch of a split file -> features (token ids and masks, or numbers) and labels, as
-    the in-memory reader (data/sources.py) makes them of the whole file."""
+def shard_rows(table: pa.Table, data, path: Path, tokenizer: str | None) -> tuple:
+    """One batch of a split file's shard -> (features, labels): token ids and masks, or
+    numbers, as the in-memory reader (data/sources.py) makes them of the whole file."""
     text_column = getattr(data, "text_column", None)
     if text_column is None:
         features, labels = numeric_rows(table, data, path)
-        return {"features": features.astype(np.float32), "label": labels}
+        return features.astype(np.float32), labels
     labels = text_labels(table, table.num_rows, path, data)
-    texts = {text_column: table.column(text_column).to_pylist()}
-    tokens = tokenize_batch(texts, tokenizer, text_column, data.max_length)["tokens"]
-    return {"features": tokens, "label": labels}
+    texts = table.column(text_column).to_pylist()
+    return tokenize_texts(texts, tokenizer, data.max_length), labels
 
 
 class ShardEveryRow(DataConfig):
@@ -90,7 +86,7 @@ class ShardEveryRow(DataConfig):
     Rank r gets the r-th of W contiguous runs of blocks, in file order: the same rows for the
     same files and W wherever the workers run (a streaming split hands blocks to whichever
     worker asks first), so a seeded run samples the same examples on one node or several.
-    The split is tokenized on the cluster first; each worker then reads only its blocks."""
+    Each worker reads (and tokenizes) only its blocks."""
 
     def configure(self, datasets, world_size: int, worker_handles, worker_node_ids, **kwargs):
         shards = [{} for _ in range(world_size)]
@@ -101,15 +97,18 @@ class ShardEveryRow(DataConfig):
         return shards
 
 
-def materialize(shard, feature_shape: tuple[int, ...],
+def materialize(shard, pipeline, split: str, feature_shape: tuple[int, ...],
                 labels_as: tuple = (np.int64, ())) -> tuple[np.ndarray, np.ndarray]:
-    """A worker's whole shard (a Ray Data iterator) as (features, labels) arrays; the labels
-    of `labels_as`'s (dtype, one row's shape): targets.LabelKind.label_array."""
+    """A worker's whole shard of `split` (a Ray Data iterator) as (features, labels) arrays,
+    tokenized here; the labels of `labels_as`'s (dtype, one row's shape):
+    targets.LabelKind.label_array."""
     dtype, label_shape = labels_as
+    path, tokenizer = file_splits(pipeline.data)[split], tokenizer_source(pipeline.model)
     features, labels = [], []
-    for batch in shard.iter_batches(batch_size=BATCH_ROWS, batch_format="numpy"):
-        features.append(batch["features"])
-        labels.append(batch["label"])
+    for batch in shard.iter_batches(batch_size=BATCH_ROWS, batch_format="pyarrow"):
+        batch_features, batch_labels = shard_rows(batch, pipeline.data, path, tokenizer)
+        features.append(batch_features)
+        labels.append(batch_labels)
     if not labels:  # more workers than blocks: an empty shard still takes its steps
         return np.empty((0, *feature_shape), np.float32), np.empty((0, *label_shape), dtype)
     return np.concatenate(features), np.concatenate(labels).astype(dtype)

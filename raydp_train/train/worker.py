@@ -267,7 +267,7 @@ def _local_rows(pipeline, context, dataset, data_shape):
 
         feature_shape, num_classes = data_shape
         labels = label_kind(pipeline.data).label_array(num_classes)
-        splits = {name: materialize(shard, feature_shape, labels)
+        splits = {name: materialize(shard, pipeline, name, feature_shape, labels)
                   for name, shard in shards.items()}
         return Dataset(*splits["train"], *splits["test"], num_classes,
                        *splits.get("validation", (None, None))).to_torch()
