@@ -11,13 +11,14 @@ STAMP := $(VENV)/.installed
 run: $(STAMP)
 	$(BIN)/raydp-train run pipelines/quickstart.yaml
 
-# Two pytest-xdist workers, each with its own local Ray: the suite is CPU-bound, and one
-# process leaves a quarter of 2 cores idle while Ray starts, stops and waits. Tests that share
-# a cluster or a run stay on one worker (tests/conftest.py). Every test over 10 s is listed
-# at the end: where the suite's time goes.
+# Two pytest-xdist workers, each with its own local Ray: one process left a quarter of 2 cores
+# idle while Ray starts, stops and waits. Each worker takes whole files (a module's Ray head
+# or cluster starts once), in collection order: those that start processes first
+# (tests/conftest.py). Every test over 10 s is listed at the end: where the time goes.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=0 --durations-min=10
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=0 --durations-min=10
 
 # The edit loop: math, schema, ledger, engine; no Ray and no other process (tests/conftest.py).
 test-fast: $(STAMP)

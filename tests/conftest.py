@@ -13,18 +13,15 @@ PROCESS_WORDS = ("subprocess", "Popen", 'main(["run"', "main(['run'", "run_pipel
                  "ray.init", "start_head", "ray_head", "start_cluster")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Marks `ray` (uses the session's Ray) and `slow` (starts processes) on each test, keeps
-    the tests that share a costly fixture in one xdist group, and puts the slow ones first."""
+    """Marks `ray` (uses the session's Ray) and `slow` (starts processes) on each test, checks
+    that a costly session fixture is shared within one file, puts the slow tests first."""
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.ray)
         if _starts_processes(item):
             item.add_marker(pytest.mark.slow)
-        group = _shared_fixture_group(item)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+    _check_shared_within_one_file(items)
     # `make test` runs on 2 xdist workers: the longest first, so neither waits alone at the end.
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow")
                or item.get_closest_marker("cluster") else 1 if item.get_closest_marker("ray")
@@ -35,21 +32,27 @@ def pytest_collection_modifyitems(config, items):
 PER_WORKER_FIXTURES = {"ray_session"}
 
 
-def _shared_fixture_group(item) -> str | None:
-    """The test's module (or session fixture) when it uses one of our module- or
-    session-scoped fixtures that starts processes: a Ray head, a cluster, runs that other
-    tests read. Tests that share one run on the same xdist worker, so it starts once."""
-    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    for name, defs in sorted(definitions.items()):
-        fixture = defs[-1]
-        if name in PER_WORKER_FIXTURES or fixture.scope not in ("module", "session"):
-            continue
-        if Path(inspect.getfile(fixture.func)).parent != Path(__file__).parent:
-            continue  # pytest's own (tmp_path_factory, ...)
-        source = inspect.getsource(fixture.func)
-        if "ray_session" in fixture.argnames or any(word in source for word in PROCESS_WORDS):
-            return name if fixture.scope == "session" else item.module.__name__
-    return None
+def _check_shared_within_one_file(items) -> None:
+    """`make test` gives each pytest-xdist worker whole files (--dist loadfile): a module's
+    Ray head or cluster starts once. A session fixture that starts processes (runs that
+    several tests read) would start once per worker whose files use it: keep its users in
+    one file."""
+    users: dict[str, set] = {}
+    for item in items:
+        definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        for name, defs in definitions.items():
+            fixture = defs[-1]
+            if name in PER_WORKER_FIXTURES or fixture.scope != "session":
+                continue
+            if Path(inspect.getfile(fixture.func)).parent != Path(__file__).parent:
+                continue  # pytest's own (tmp_path_factory, ...)
+            if "ray_session" in fixture.argnames or any(
+                    word in inspect.getsource(fixture.func) for word in PROCESS_WORDS):
+                users.setdefault(name, set()).add(item.path.name)
+    for name, files in users.items():
+        if len(files) > 1:
+            raise pytest.UsageError(f"the session fixture {name!r} starts processes and is "
+                                    f"used by {sorted(files)}: keep its tests in one file")
 
 
 def _starts_processes(item) -> bool:

@@ -168,7 +168,9 @@ def test_the_first_hour(ray_session, tmp_path, monkeypatch, capsys):
     with torch.no_grad():
         logits = adapted(**inputs).logits
         merged = classify.model.eval()(**inputs).logits  # model/: the adapters merged in
-    torch.testing.assert_close(logits, merged, rtol=1e-4, atol=1e-5)
+    # Equal but for float32 rounding: W + BA merged once against x W + (x B) A through six
+    # layers differed by up to 2.3e-5 on 2 of 120 logits when another load shared the CPUs.
+    torch.testing.assert_close(logits, merged, rtol=1e-3, atol=1e-4)
     assert float(np.mean(logits.argmax(-1).numpy() == labels)) == pytest.approx(recorded,
                                                                                 abs=1e-6)
     # MiniLM pools by mean: on the checkpoint's own class, which pools [CLS], peft finds no
