@@ -48,11 +48,11 @@ def test_ctrl_c_stops_before_the_next_epoch_and_the_same_command_resumes_within_
     the final epsilon stays within privacy.target_epsilon."""
     overrides = [f"run.output_dir={tmp_path}/runs", f"budget.ledger={tmp_path}/budgets",
                  "budget.name=interrupted", "budget.epsilon=50", "budget.delta=1e-5",
-                 "training.epochs=40", "privacy.noise_multiplier=null",
+                 "training.epochs=16", "privacy.noise_multiplier=null",
                  "privacy.target_epsilon=3"]
     options = [x for o in overrides for x in ("--set", o)]
     output = ctrl_c_after(["run", str(ROOT / "pipelines/quickstart.yaml"), *options], tmp_path,
-                          "epoch   3/40")
+                          "epoch   3/16")
     assert "stopping after the epoch that is running" in output
     assert "INTERRUPTED: the last checkpoint is in" in output and "--resume" in output
 
@@ -70,18 +70,18 @@ def test_ctrl_c_stops_before_the_next_epoch_and_the_same_command_resumes_within_
     assert f"continuing the unfinished run {run_dir}" in capsys.readouterr().out
     assert [d.name for d in (tmp_path / "runs").iterdir()] == [run_dir.name]
     privacy = json.loads((run_dir / "privacy.json").read_text())
-    assert privacy["steps"] == privacy["planned_steps"] == 500  # 40 epochs of 12.5 steps
+    assert privacy["steps"] == privacy["planned_steps"] == 200  # 16 epochs of 12.5 steps
     assert privacy["steps_run_again"] == 0
     assert privacy["epsilon"] <= 3.0
     never_interrupted = dp_accounting.rdp.RdpAccountant().compose(dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(privacy["sampling_rate"], dp_accounting.GaussianDpEvent(
-            privacy["noise_multiplier"])), 500)).get_epsilon(privacy["delta"])
+            privacy["noise_multiplier"])), 200)).get_epsilon(privacy["delta"])
     assert privacy["epsilon"] == pytest.approx(never_interrupted, rel=1e-12)
     kept = sorted(json.loads((c / "progress.json").read_text())["epoch"]
                   for c in checkpoints(run_dir))
-    assert kept == [39, 40]  # only the newest two of 40 epochs' checkpoints stay
+    assert kept == [15, 16]  # only the newest two of 16 epochs' checkpoints stay
     status = budget_status("interrupted", f"{tmp_path}/budgets")
-    assert _steps_in_ledger(status, run_dir.name) == 500
+    assert _steps_in_ledger(status, run_dir.name) == 200
     assert list(status["owners"]) == [run_dir.name]  # one run in the ledger, not two
 
 

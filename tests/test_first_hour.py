@@ -39,7 +39,7 @@ data:
   validation: {fraction: 0.2, private: true, noise_multiplier: 4.0}
 model: {kind: mlp, hidden_sizes: [8]}
 privacy: {noise_multiplier: 1.5, clip_norm: 1.0, delta: 1.0e-4}
-training: {epochs: 30, batch_size: 40, lr: 0.2}
+training: {epochs: 15, batch_size: 40, lr: 0.2}
 budget: {name: churn-team, epsilon: 40.0, delta: 1.0e-4}
 tune:
   num_samples: 2
@@ -90,11 +90,11 @@ def _recorded_test_accuracy(run_dir: Path) -> float:
 
 
 def _never_interrupted_epsilon(privacy: dict) -> float:
-    """30 epochs of 320 training rows (400 less the 20% validation) at an expected batch of
-    40: 240 steps, and one noisy validation accuracy per epoch (sigma 4), by dp-accounting."""
+    """15 epochs of 320 training rows (400 less the 20% validation) at an expected batch of
+    40: 120 steps, and one noisy validation accuracy per epoch (sigma 4), by dp-accounting."""
     steps = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-        40 / 320, dp_accounting.GaussianDpEvent(privacy["noise_multiplier"])), 240)
-    releases = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(4.0), 30)
+        40 / 320, dp_accounting.GaussianDpEvent(privacy["noise_multiplier"])), 120)
+    releases = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(4.0), 15)
     return dp_accounting.rdp.RdpAccountant().compose(
         dp_accounting.ComposedDpEvent([steps, releases])).get_epsilon(privacy["delta"])
 
@@ -109,7 +109,7 @@ def test_the_first_hour(ray_session, tmp_path, monkeypatch, capsys):
     assert "ledger:" in capsys.readouterr().out
 
     # Ctrl-C, then the up arrow: the same command continues the run, each step charged once.
-    output = ctrl_c_after(["run", "churn.yaml"], tmp_path, "epoch   3/30")
+    output = ctrl_c_after(["run", "churn.yaml"], tmp_path, "epoch   3/15")
     assert "INTERRUPTED" in output and "Traceback" not in output
     assert main(["run", "churn.yaml"]) == 0
     printed = capsys.readouterr().out
@@ -117,8 +117,8 @@ def test_the_first_hour(ray_session, tmp_path, monkeypatch, capsys):
     assert "continuing the unfinished run" in printed and run_dir.name in printed
     assert "privacy spent" in printed
     privacy = json.loads((run_dir / "privacy.json").read_text())
-    assert privacy["steps"] == privacy["planned_steps"] == 240
-    assert privacy["steps_run_again"] == 0 and privacy["validation_releases"] == 30
+    assert privacy["steps"] == privacy["planned_steps"] == 120
+    assert privacy["steps_run_again"] == 0 and privacy["validation_releases"] == 15
     assert privacy["epsilon"] == pytest.approx(_never_interrupted_epsilon(privacy), rel=1e-12)
     assert list(budget_status("churn-team", str(default_ledger()))["owners"]) == [run_dir.name]  # one run, not two
 
