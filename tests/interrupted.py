@@ -1,5 +1,6 @@
 """A `raydp-train` command in its own process, stopped with Ctrl-C (SIGINT) as a user does."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -8,11 +9,14 @@ from pathlib import Path
 from raydp_train.commands.cli import EXIT_INTERRUPTED
 
 
-def ctrl_c_after(arguments: list[str], cwd: Path, line_start: str) -> str:
+def ctrl_c_after(arguments: list[str], cwd: Path, line_start: str, address: str = "") -> str:
     """Everything `raydp-train *arguments` printed, given one Ctrl-C once it printed a line
-    starting with `line_start` (its own embedded Ray); it must exit as interrupted."""
+    starting with `line_start` (on the Ray at `address`, else its own embedded Ray); it must
+    exit as interrupted."""
+    env = {**os.environ, "RAY_ADDRESS": address} if address else None
     driver = subprocess.Popen([sys.executable, "-m", "raydp_train", *arguments], cwd=cwd,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
     lines = []
     for line in driver.stdout:
         lines.append(line)

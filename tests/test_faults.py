@@ -51,8 +51,10 @@ def test_ctrl_c_stops_before_the_next_epoch_and_the_same_command_resumes_within_
                  "training.epochs=16", "privacy.noise_multiplier=null",
                  "privacy.target_epsilon=3"]
     options = [x for o in overrides for x in ("--set", o)]
+    # The session's Ray, joined as on a cluster (test_first_hour presses Ctrl-C on an embedded
+    # one): a Ray start and stop fewer.
     output = ctrl_c_after(["run", str(ROOT / "pipelines/quickstart.yaml"), *options], tmp_path,
-                          "epoch   3/16")
+                          "epoch   3/16", ray_session.get_runtime_context().gcs_address)
     assert "stopping after the epoch that is running" in output
     assert "INTERRUPTED: the last checkpoint is in" in output and "--resume" in output
 
