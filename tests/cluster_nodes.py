@@ -31,9 +31,10 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 GCS_PORT, DASHBOARD_PORT = 6379, 8265
 _CLUSTERS_MADE = itertools.count()
-# The GCS declares a node dead after this many failed health checks this far apart (Ray's
-# defaults: 5 x 3 s, 12-15 s from a kill -9 to the restart). A killed node refuses the check
-# at once; a live one, however busy, answers within the unchanged 10 s timeout.
+# In every node's environment, so the head's `ray start` gives them to its GCS: a node is dead
+# after this many failed health checks this far apart (Ray's defaults: 5 x 3 s, 12-15 s from
+# a kill -9 to the restart). A killed node refuses the check at once; a live one, however
+# busy, answers within the unchanged 10 s timeout.
 NODE_DEATH_DETECTION = {"RAY_health_check_period_ms": "1000",
                         "RAY_health_check_failure_threshold": "3"}
 
@@ -130,7 +131,7 @@ def node_env(node: Node) -> dict:
     loopback."""
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", GLOO_SOCKET_IFNAME="eth0",
-               RAY_TMPDIR=str(node.temp))
+               RAY_TMPDIR=str(node.temp), **NODE_DEATH_DETECTION)
     return env
 
 
@@ -207,9 +208,7 @@ def _start_ray(cluster: Cluster, node: Node, cpus: int) -> None:
                    "--include-dashboard", "true", *common]
     else:
         command = [str(BIN / "ray"), "start", "--address", cluster.address, *common]
-    done = subprocess.run(["ip", "netns", "exec", node.namespace, *command],
-                          env={**node_env(node), **NODE_DEATH_DETECTION}, timeout=180,
-                          check=False, capture_output=True, text=True)
+    done = cluster.run(node, command, timeout=180)
     if done.returncode != 0:
         raise RuntimeError(f"ray start on {node.namespace} failed: {done.stderr[-2000:]}")
 
