@@ -258,3 +258,54 @@ def test_all_zero_gradients_pass_however_the_engine_rounds():
     wrong = SelfCheckReport(2, tolerance(torch.float32))  # a norm off by 1e-3 C still fails
     _compare(clipper, wrong, torch.tensor([1e-3, 0.0]), zeros.clone(), None, slow)
     assert not wrong.passed
+
+
+def _hidden_units_at_their_kink(seed: int) -> tuple[nn.Module, torch.Tensor]:
+    """An MLP whose hidden pre-activations for example 0 are within rounding of 0."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 3)).eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        model[0].bias.copy_(-(model[0].weight.double() @ x[0].double()).float())
+    return model, x
+
+
+def _relu_branches(model, x) -> torch.Tensor:
+    with torch.no_grad():
+        return model[0](x) > 0
+
+
+def test_a_relu_within_rounding_of_its_kink_is_no_false_alarm():
+    """Found in CI: a sweep's preflight stopped on 'norms off by 0.00096'. The slow way ran
+    each example's forward alone, in a batch of 1, which rounds otherwise than the engine's
+    batch: a hidden unit within rounding of 0 took the other ReLU branch. Example j now runs
+    in a batch of the engine's shape holding it alone, which rounds like the engine's row j."""
+    for seed in range(20):  # a model whose batch of 1 takes another branch than its batch of 2
+        model, x = _hidden_units_at_their_kink(seed)
+        alone, in_batch = _relu_branches(model, x[:1])[0], _relu_branches(model, x)[0]
+        if not torch.equal(alone, in_batch):
+            break
+    else:
+        pytest.skip("this machine's matmul rounds a batch of 1 as a batch of 2: no ReLU "
+                    "branch differs between them")
+    copies = x[:1].expand(2, -1).contiguous()
+    assert torch.equal(_relu_branches(model, copies)[0], in_batch)  # the batch that holds it alone
+    report = check(model, x)
+    assert report.passed, report.message()
+
+
+def test_a_model_that_mixes_the_examples_of_a_batch_is_caught():
+    """Centering over the batch lets every example move every other's gradient, outside any
+    per-example clip; the slow way's batch holds one example alone, so it shows."""
+
+    class BatchCentered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x - x.mean(0, keepdim=True))))
+
+    torch.manual_seed(3)
+    report = check(BatchCentered(), torch.randn(6, 5))
+    assert not report.passed and "a.weight" in report.norm_parameters

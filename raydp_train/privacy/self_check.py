@@ -8,11 +8,16 @@ per example (the definition of §2.1):
     g_j    = grad of loss_j, alone                      (autograd, one example at a time)
     n_j    = ||g_j||,   sum = sum_j min(1, C / n_j) g_j
 
-in the engine's own slots (LSG's carriers: `Rule.slots_from_gradients`). Both run in eval mode
-(dropout off: the single-example passes could not draw the batch's masks). A disagreement
-beyond the tolerance of the forward's dtype names the parameters: those whose clipped sums
-differ, and those whose share of the norm differs (each layer with the layers it shares
-parameters with, against the same parameters' slow share).
+in the engine's own slots (LSG's carriers: `Rule.slots_from_gradients`). Example j's forward
+runs alone in a batch of the engine's shape: every row a copy of example j, loss_j taken at
+row j. So a model that mixes examples still shows it (its batch holds example j alone), and
+row j rounds exactly as in the engine's forward: a forward of one example rounds otherwise,
+and a ReLU input within rounding of 0 then takes the other branch -- the true gradient of
+another forward, which the check took for an engine error (a false alarm that stopped a sweep
+in CI). Both run in eval mode (dropout off: two forwards would draw different masks). A
+disagreement beyond the tolerance of the forward's dtype names the parameters: those whose
+clipped sums differ, and those whose share of the norm differs (each layer with the layers it
+shares parameters with, against the same parameters' slow share).
 """
 
 from __future__ import annotations
@@ -112,8 +117,7 @@ def _slow_way(clipper, compute_losses, batch: tuple, count: int) -> _SlowWay:
     clipped_sum = torch.zeros_like(clipper.flat_grad)
     squares = torch.zeros(count, len(groups), dtype=torch.float64)
     for j in range(count):
-        one = _first_examples(batch, j + 1, j)
-        gradient = clipper.slot_vector(_gradients(clipper, compute_losses, one))
+        gradient = clipper.slot_vector(_gradients(clipper, compute_losses, batch, j))
         for k, (_, slots) in enumerate(groups):
             squares[j, k] = sum(_square(clipper.slot_in(gradient, module, slot))
                                 for _, module, slot in slots)
@@ -197,26 +201,33 @@ def _slots(clipper) -> list[tuple[str, nn.Module, str]]:
     return named
 
 
-def _gradients(clipper, compute_losses, one: tuple) -> dict[int, Tensor]:
-    """One example's gradients of the trained parameters, by autograd alone (the engine's
-    hooks record nothing outside its own passes)."""
-    for p in clipper.parameters:
-        p.grad = None
-    loss = compute_losses(*one).sum()
-    if loss.requires_grad:
-        loss.backward()
-    grads = {id(p): p.grad for p in clipper.parameters if p.grad is not None}
-    for p in clipper.parameters:
-        p.grad = None
-    return grads
+def _gradients(clipper, compute_losses, batch: tuple, j: int) -> dict[int, Tensor]:
+    """Example j's gradients of the trained parameters, by autograd alone: its loss in a
+    batch of `batch`'s shape that holds it alone (the engine's hooks record nothing outside
+    its own passes)."""
+    loss = compute_losses(*_alone(batch, j))[j]
+    if not loss.requires_grad:
+        return {}
+    grads = torch.autograd.grad(loss, clipper.parameters, allow_unused=True)
+    return {id(p): g for p, g in zip(clipper.parameters, grads) if g is not None}
 
 
-def _first_examples(value, stop: int, start: int = 0):
-    """Every tensor in `value` (nested tuples and lists too) sliced [start:stop]."""
+def _alone(value, j: int):
+    """Every tensor in `value` (nested tuples and lists too) with each example along its first
+    axis replaced by example j; same shape and strides, so row j computes as it did."""
     if isinstance(value, Tensor) and value.dim() > 0:
-        return value[start:stop]
+        return torch.empty_like(value).copy_(value[j:j + 1].expand_as(value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_first_examples(v, stop, start) for v in value)
+        return type(value)(_alone(v, j) for v in value)
+    return value
+
+
+def _first_examples(value, stop: int):
+    """Every tensor in `value` (nested tuples and lists too) sliced [:stop]."""
+    if isinstance(value, Tensor) and value.dim() > 0:
+        return value[:stop]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_first_examples(v, stop) for v in value)
     return value
 
 
