@@ -1,7 +1,7 @@
 """A new user's first hour (issue 31), in one fresh folder, with the README's commands and
 files as a user makes them (pandas): their own churn table with raw columns and yes/no labels
 validated, run, stopped with Ctrl-C and run again with the same command, used through
-`predict`; a sweep on the same budget and its best model; a few hundred review sentences
+`predict`; an ASHA sweep on the same budget and its best model; a few hundred review sentences
 fine-tuned from the shipped MiniLM with DP-LoRA, loaded back with transformers' pipeline and
 with peft (on the mean-pooling wrapper; refused on the [CLS] class). Each step ends as the
 README says it does."""
@@ -127,10 +127,16 @@ def test_the_first_hour(ray_session, tmp_path, monkeypatch, capsys):
     assert f"accuracy                {_recorded_test_accuracy(run_dir):.4f}" in (
         capsys.readouterr().out)
 
-    # A sweep on the same budget, and its best model through predict.
-    assert main(["tune", "churn.yaml", "--set", "training.epochs=3"]) == 0
+    # A sweep on the same budget with ASHA, and its best model through predict. ASHA stops a
+    # trial on its report at max_t: a trial that trained every epoch is still "completed",
+    # with its model kept (it was "stopped by scheduler", and the sweep kept no model).
+    assert main(["tune", "churn.yaml", "--set", "training.epochs=3",
+                 "--set", "tune.scheduler=asha"]) == 0
     assert "privacy of the whole sweep: epsilon" in capsys.readouterr().out
     (sweep_dir,) = Path("runs").glob("churn-sweep-*")
+    trials = json.loads((sweep_dir / "sweep.json").read_text())["trials"]
+    whole = [t["stop_reason"] for t in trials if t["epochs"] == 3]
+    assert whole and set(whole) == {"completed"}, trials  # ASHA runs the first one to the end
     best = sweep_dir / "best_model"
     assert main(["predict", str(best), "--data", "churn_test.parquet"]) == 0
     assert f"accuracy                {_recorded_test_accuracy(best):.4f}" in (

@@ -28,9 +28,12 @@ def write_sweep_outputs(sweep, pipeline, on_line) -> None:
     on_line(results_table(sweep.trials, list(config.search_space), config.metric))
     if sweep.best is not None:
         chosen = ", ".join(f"{k}={sweep.best[k]:.6g}" for k in config.search_space)
+        model = (f"{sweep.best['model']} (already trained: no need to run it again)"
+                 if sweep.best["model"] else "none kept (the scheduler stopped this trial "
+                 "part-way; running best.yaml trains it)")
         on_line(f"\nbest ({config.metric} {sweep.best[config.metric]:.4f}): {chosen}"
-                f"\nbest model: {sweep.best['model']} (already trained: no need to run it "
-                f"again)\nbest pipeline: {directory / 'best.yaml'} (running it spends again)")
+                f"\nbest model: {model}\nbest pipeline: {directory / 'best.yaml'} (running it "
+                "spends again)")
     on_line(privacy_text(sweep.privacy))
     on_line(f"wrote {directory / 'results.parquet'}, {plot}, {directory / 'sweep.json'}")
 
@@ -61,8 +64,9 @@ def privacy_text(privacy: dict) -> str:
 
 def best_yaml_header(directory, best: dict, pipeline) -> str:
     """best.yaml must not send anyone to train, and spend, again for a model they have."""
+    model = (f"Its model is already saved: {best['model']} (model.pt, record.json)"
+             if best["model"] else "Its model was not kept: the scheduler stopped it part-way")
     return (f"# The best trial ({pipeline.tune.metric} {best[pipeline.tune.metric]:.4f}) of the "
-            f"sweep in {directory}.\n# Its model is already saved: {best['model']} "
-            "(model.pt, record.json).\n# `raydp-train run` of this file trains a NEW model and "
-            f"SPENDS AGAIN from budget '{pipeline.budget.name}'\n# (`raydp-train validate` "
-            "says whether the budget can still pay).\n")
+            f"sweep in {directory}.\n# {model}.\n# `raydp-train run` of this file trains a NEW "
+            f"model and SPENDS AGAIN from budget '{pipeline.budget.name}'\n# (`raydp-train "
+            "validate` says whether the budget can still pay).\n")

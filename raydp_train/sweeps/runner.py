@@ -35,9 +35,8 @@ from raydp_train.sweeps.spending import (
     most_epochs,
     random_stopping_spend,
 )
+from raydp_train.sweeps.trial import MODELS, run_trial
 from raydp_train.train.stops import REFUSALS, StopReason
-
-MODELS = "trial_models"  # each trained trial's model, until the sweep keeps the best
 
 
 def print_now(line: str) -> None:
@@ -123,72 +122,14 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
         param_space=_param_space(config),
         tune_config=tune.TuneConfig(
             num_samples=num_samples, max_concurrent_trials=config.max_concurrent_trials,
-            scheduler=_scheduler(pipeline), time_budget_s=config.time_budget_s),
+            scheduler=_scheduler(pipeline), time_budget_s=config.time_budget_s,
+            # The next trial runs in a finished one's process: no new process, no imports
+            # (digits trials: ~5 s each before). Each trial builds all it uses anew.
+            reuse_actors=True),
         run_config=tune.RunConfig(storage_path=str(directory.resolve()), name="trials", verbose=0,
                                   callbacks=[_progress_printer(on_line, pipeline),
                                              *tune_callbacks(pipeline)]),  # run.loggers
     )
-
-
-def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -> None:
-    """One trial: the pipeline with `params` set, trained by the code `run` uses."""
-    from ray import tune
-
-    from raydp_train.train.charges import (
-        MemoryCharges,
-        RunAccount,
-        epsilon_cap,
-        planned_charges,
-    )
-    from raydp_train.train.context import LocalContext
-    from raydp_train.train.trainer import fit
-    from raydp_train.train.worker import train
-
-    overrides = [f"{key}={value}" for key, value in params.items()]
-    pipeline = pipeline_from_dict(base, overrides, source=f"trial {params}")
-    dataset, plan = check_pipeline(pipeline)
-    trial_id = tune.get_context().get_trial_id()
-    owner = f"{sweep_id}/{trial_id}"
-
-    # Under random stopping (no budget of its own) the sweep's one reservation pays for this
-    # trial's planned steps, and no more.
-    ceiling = planned_charges(plan) if budget is None else None
-
-    def report(row: dict) -> None:
-        tune.report({**row, "stop": StopReason.RUNNING.value})
-
-    if pipeline.training.workers == 1:
-        account = RunAccount(MemoryCharges(), budget, owner, plan, epsilon_cap(pipeline, plan),
-                             ceiling)
-        context = LocalContext(on_epoch=report, account=account,
-                               sharing=pipeline.tune.max_concurrent_trials)
-        result = train(pipeline, plan, context, dataset=dataset)
-    else:
-        from ray.tune.integration.ray_train import TuneReportCallback
-
-        result = fit(pipeline, plan, Path(directory) / "train" / trial_id, on_epoch=lambda r: None,
-                     budget=budget, owner=owner, callbacks=[TuneReportCallback()],
-                     dataset=dataset, ceiling=ceiling,
-                     concurrent_runs=pipeline.tune.max_concurrent_trials)
-    if result.steps_done:
-        _save_trial_model(Path(directory), trial_id, pipeline, plan, result)
-    last = result.metrics[-1] if result.metrics else {"epoch": 0, "validation_accuracy": math.nan}
-    tune.report({**last, "stop": result.stop.value, "stop_reason": result.stop_reason,
-                 "final": True,
-                 "epsilon": plan.epsilon(result.steps_charged, releases=result.releases_charged),
-                 "steps_charged": result.steps_charged})
-
-
-def _save_trial_model(directory: Path, trial_id: str, pipeline: Pipeline, plan, result) -> None:
-    """Every trial that trained writes its model and run record; the sweep keeps the best
-    one's (`_keep_best_model`), so the sweep ends with a model without spending on a retrain."""
-    from raydp_train.reports.run import privacy_statement, write_run_record
-
-    folder = directory / MODELS / trial_id
-    folder.mkdir(parents=True)
-    (folder / "pipeline.yaml").write_text(dump_pipeline(pipeline))
-    write_run_record(folder, pipeline, result,
-                     privacy_statement(plan, result, pipeline.training.workers))
 
 
 def _keep_best_model(directory: Path, best: dict) -> Path | None:
@@ -208,14 +149,18 @@ def _progress_printer(on_line, pipeline: Pipeline):
     # "epoch 3/20", unless the trials differ in epochs
     of = "" if "training.epochs" in pipeline.tune.search_space else f"/{pipeline.training.epochs}"
 
+    shown: dict[str, int] = {}  # each trial's last epoch shown
+
     class ProgressPrinter(Callback):
         def on_trial_result(self, iteration, trials, trial, result, **info):
+            # A trial's last epoch arrives in its final report (run_trial).
+            if result.get("epoch", 0) > shown.get(trial.trial_id, 0) and "epsilon" in result:
+                shown[trial.trial_id] = result["epoch"]
+                on_line(f"  {trial.trial_id}  epoch {result['epoch']}{of}  {metric} "
+                        f"{result.get(metric, math.nan):.4f}  epsilon {result['epsilon']:.3f}")
             if result.get("final"):
                 on_line(f"  {trial.trial_id}  {result['stop']}  "
                         f"(trial epsilon {result['epsilon']:.3f})")
-            elif "epoch" in result and "epsilon" in result:
-                on_line(f"  {trial.trial_id}  epoch {result['epoch']}{of}  {metric} "
-                        f"{result.get(metric, math.nan):.4f}  epsilon {result['epsilon']:.3f}")
 
     return ProgressPrinter()
 
@@ -267,15 +212,16 @@ def _trial_row(result, config) -> dict:
 
 
 def _best(trials: list[dict], config) -> dict | None:
-    """Among the trials that trained as planned (or until ASHA compared them): one the budget
-    cut short is no candidate for the model a sweep ends with."""
-    scored = [t for t in trials if t["stop_reason"] in (StopReason.COMPLETED.value,
-                                                        StopReason.STOPPED_BY_SCHEDULER.value)
-              and not math.isnan(t[config.metric])]
-    if not scored:
-        return None
+    """Among the trials that trained as planned (their models are kept), else among those
+    ASHA stopped part-way: one the budget cut short is no candidate for the model a sweep
+    ends with."""
     pick = max if config.mode == "max" else min
-    return pick(scored, key=lambda t: t[config.metric])
+    for stop in (StopReason.COMPLETED, StopReason.STOPPED_BY_SCHEDULER):
+        scored = [t for t in trials if t["stop_reason"] == stop.value
+                  and not math.isnan(t[config.metric])]
+        if scored:
+            return pick(scored, key=lambda t: t[config.metric])
+    return None
 
 
 def _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line, grid):
@@ -289,7 +235,8 @@ def _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line
     if best is not None:
         overrides = [f"{k}={best[k]}" for k in pipeline.tune.search_space]
         best_pipeline = pipeline_from_dict(pipeline.model_dump(mode="json"), overrides)
-        best = {**best, "model": str(_keep_best_model(directory, best))}
+        kept = _keep_best_model(directory, best)
+        best = {**best, "model": kept and str(kept)}
         (directory / "best.yaml").write_text(
             best_yaml_header(directory, best, pipeline) + dump_pipeline(best_pipeline))
     shutil.rmtree(directory / MODELS, ignore_errors=True)
