@@ -213,21 +213,23 @@ def _gradients(clipper, compute_losses, batch: tuple, j: int) -> dict[int, Tenso
 
 
 def _alone(value, j: int):
-    """Every tensor in `value` (nested tuples and lists too) with each example along its first
-    axis replaced by example j; same shape and strides, so row j computes as it did."""
-    if isinstance(value, Tensor) and value.dim() > 0:
-        return torch.empty_like(value).copy_(value[j:j + 1].expand_as(value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_alone(v, j) for v in value)
-    return value
+    """Every tensor in `value` with each example along its first axis replaced by example j;
+    same shape and strides, so row j computes as it did."""
+    return _each_tensor(value, lambda t: torch.empty_like(t).copy_(t[j:j + 1].expand_as(t)))
 
 
 def _first_examples(value, stop: int):
-    """Every tensor in `value` (nested tuples and lists too) sliced [:stop]."""
+    """Every tensor in `value` sliced [:stop]."""
+    return _each_tensor(value, lambda t: t[:stop])
+
+
+def _each_tensor(value, change: Callable[[Tensor], Tensor]):
+    """`value` with `change` applied to every tensor of at least one axis in it (nested
+    tuples and lists too)."""
     if isinstance(value, Tensor) and value.dim() > 0:
-        return value[:stop]
+        return change(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(_first_examples(v, stop) for v in value)
+        return type(value)(_each_tensor(v, change) for v in value)
     return value
 
 
