@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from dp_accounting import rdp
+from sweep_draws import drawn
 
 from raydp_train.budget.actor import actor_name, open_budget
 from raydp_train.budget.book import NAMESPACE
@@ -83,6 +84,11 @@ def test_sweep_spends_one_budget_until_it_is_exhausted(ray_session, tmp_path, ca
     trials = pq.read_table(sweep_dir / "results.parquet").to_pylist()
     stops = [t["stop_reason"] for t in trials]
     assert len(trials) == 4 and "completed" in stops and "budget exhausted" in stops, stops
+    # run.seed: the trials ran the configurations the seeded sampler draws, whatever the run.
+    space = load_pipeline(pipeline, overrides)
+    keys = list(space.tune.search_space)
+    assert sorted(tuple(t[k] for k in keys) for t in trials) == sorted(
+        tuple(c[k] for k in keys) for c in drawn(space))
     assert (sweep_dir / "privacy_utility.png").stat().st_size > 0
     assert (sweep_dir / "best.yaml").is_file()
     summary = json.loads((sweep_dir / "sweep.json").read_text())

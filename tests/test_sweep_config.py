@@ -4,9 +4,11 @@ and the random-stopping reservation checked against dp-accounting directly. No R
 import dp_accounting
 import pytest
 from dp_accounting import rdp
+from sweep_draws import drawn
 
 from raydp_train.checks.preflight import check_pipeline
 from raydp_train.config.pipeline import PipelineError, load_pipeline
+from raydp_train.sweeps.runner import sampler
 from raydp_train.sweeps.spending import random_stopping_spend, worst_trial_spend
 
 SWEEP = "pipelines/sweep_digits.yaml"
@@ -151,6 +153,21 @@ def test_param_group_fields_are_searchable_by_index():
     assert trial.training.param_groups[0].lr == 0.02  # how a trial applies its value
     assert "cannot search 'training.param_groups[0].params'" in _error(
         groups, "tune.search_space={'training.param_groups[0].params': {choice: [1]}}")
+
+
+def test_run_seed_draws_the_same_sweep_again_and_caps_the_trials_running_at_once():
+    seeded = load_pipeline(SWEEP, ["run.seed=7"])
+    first = drawn(seeded)
+    assert len(first) == 6 and len({c["training.lr"] for c in first}) == 6
+    assert drawn(seeded) == first  # the next run of the sweep: the same six trials
+    assert drawn(load_pipeline(SWEEP, ["run.seed=8"])) != first
+    assert drawn(load_pipeline(SWEEP)) != drawn(load_pipeline(SWEEP))  # no seed: new draws
+    # tune.max_concurrent_trials (2): a third trial waits until one of the two finishes.
+    search = sampler(seeded)
+    from ray.tune.experiment import Experiment
+
+    search.add_configurations([Experiment("capped", run=lambda config: None, num_samples=6)])
+    assert search.next_trial() and search.next_trial() and search.next_trial() is None
 
 
 def _epsilons(q: float, sigma: float, steps: int, releases: int) -> list[float]:

@@ -119,9 +119,9 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
     cpus = 1 if pipeline.training.workers == 1 else 0.25
     return tune.Tuner(
         tune.with_resources(trainable, {"cpu": cpus}),
-        param_space=_param_space(config),
+        param_space=param_space(config),
         tune_config=tune.TuneConfig(
-            num_samples=num_samples, max_concurrent_trials=config.max_concurrent_trials,
+            num_samples=num_samples, search_alg=sampler(pipeline),
             scheduler=_scheduler(pipeline), time_budget_s=config.time_budget_s,
             # The next trial runs in a finished one's process: no new process, no imports
             # (digits trials: ~5 s each before). Each trial builds all it uses anew.
@@ -165,7 +165,18 @@ def _progress_printer(on_line, pipeline: Pipeline):
     return ProgressPrinter()
 
 
-def _param_space(config) -> dict:
+def sampler(pipeline: Pipeline):
+    """Tune's random search over the search space, at most `tune.max_concurrent_trials` trials
+    at once. With `run.seed` it draws the same configurations on every run of the sweep, as
+    the seed repeats each trial's training; without, new ones each time."""
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    # The limit goes here: TuneConfig's max_concurrent_trials is ignored beside a search_alg.
+    return BasicVariantGenerator(max_concurrent=pipeline.tune.max_concurrent_trials,
+                                 random_state=pipeline.run.seed)
+
+
+def param_space(config) -> dict:
     from ray import tune
 
     make = {"choice": tune.choice, "grid": tune.grid_search,
