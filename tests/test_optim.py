@@ -2,7 +2,10 @@
 included), Hugging Face's schedules stepped once per logical step, and restored on resume.
 In-process, no Ray."""
 
+import io
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,9 +17,11 @@ from raydp_train.data.sources import load_data
 from raydp_train.models.builders import build_model
 from raydp_train.privacy.mechanism import LowRankSparse
 from raydp_train.train.context import LocalContext
-from raydp_train.train.optim import TrainingSetupError, make_optimizer, make_schedule
+from raydp_train.train.optim import OPTIMIZERS, TrainingSetupError, make_optimizer, make_schedule
 from raydp_train.train.plan import make_plan
+from raydp_train.train.schedules import Schedule
 from raydp_train.train.step import cross_entropy_loss, private_step
+from raydp_train.train.updates import SGD
 from raydp_train.train.worker import train
 
 # 200 synthetic rows -> N = 160; batch 32 -> q = 0.2: 5 steps per epoch.
@@ -129,23 +134,165 @@ def test_schedule_counts_logical_steps_as_get_scheduler_does(schedule, warmup, h
     assert len({round(lr, 12) for lr in expected}) > 1  # the schedule really moved
 
 
-def test_the_constant_schedule_is_get_schedulers_and_needs_no_transformers(monkeypatch):
+def test_the_constant_schedule_without_warmup_is_get_schedulers():
     p = pipeline()  # schedule: constant, no warmup
     plan = make_plan(p, 160)
     result = train(p, plan, LocalContext(on_epoch=lambda row: None))
     expected = reference_lrs("constant", 0, 15, 0.1, [5, 10, 15])
     assert [row["lr"] for row in result.metrics] == pytest.approx(expected, rel=1e-12)
-    # A checkpoint's schedule state loads into HF's constant schedule and back.
-    model, _ = model_of(p)
-    ours = make_schedule(make_optimizer(model, p.training), p.training, 15)
-    theirs = get_scheduler("constant", make_optimizer(model, p.training))
+
+
+HF_NAMES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+@pytest.mark.parametrize("name", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize(("warmup", "total"), [(0, 1), (0, 15), (1, 7), (3, 15), (7, 7),
+                                               (10, 301)])
+def test_every_schedule_is_get_schedulers_at_every_step(name, warmup, total):
+    """Our multipliers against Hugging Face's, exactly, past the last step too; the state
+    dicts load into each other's schedules."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.3)
+    theirs = get_scheduler(HF_NAMES[name], optimizer, num_warmup_steps=warmup,
+                           num_training_steps=total)
+    ours = Schedule(SGD([{"params": [torch.zeros(1)], "lr": 0.3}]), name, warmup, total)
+    for _ in range(total + 3):
+        assert ours.get_last_lr() == theirs.get_last_lr()
+        optimizer.step()
+        theirs.step()
+        ours.step()
+    again = Schedule(SGD([{"params": [torch.zeros(1)], "lr": 0.3}]), name, warmup, total)
+    again.load_state_dict(theirs.state_dict())
+    assert again.last_epoch == theirs.last_epoch and again.base_lrs == theirs.base_lrs
     theirs.load_state_dict(ours.state_dict())
-    ours.load_state_dict(theirs.state_dict())
-    # Without transformers (an import of it fails): the constant schedule never asks for it.
-    monkeypatch.setitem(sys.modules, "transformers", None)
-    make_schedule(make_optimizer(model, p.training), p.training, 15)
-    with pytest.raises(ImportError):
-        make_schedule(make_optimizer(model, p.training), pipeline(schedule="linear").training, 15)
+    assert theirs.last_epoch == ours.last_epoch == total + 3
+
+
+def gradients(shapes, steps: int, seed: int) -> list[list]:
+    """Random gradients of each parameter at each step; one parameter has none at step 2, as
+    a parameter outside the sampled layers would."""
+    generator = torch.Generator().manual_seed(seed)
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(steps)]
+    grads[2][1] = None
+    return grads
+
+
+def take_steps(optimizer, params, grads) -> None:
+    for step_grads in grads:
+        for param, grad in zip(params, step_grads):
+            param.grad = None if grad is None else grad.clone()
+        optimizer.step()
+
+
+SHAPES = [(3, 4), (4,), (2, 3, 5)]
+CASES = [
+    ("sgd", {}, [{"weight_decay": 0.0}, {"weight_decay": 0.0}]),
+    ("sgd", {"momentum": 0.9}, [{"weight_decay": 0.01}, {"weight_decay": 0.0}]),
+    ("sgd", {"momentum": 0.5, "dampening": 0.3}, [{"nesterov": False}, {"weight_decay": 0.1}]),
+    ("sgd", {"momentum": 0.8, "nesterov": True}, [{"weight_decay": 0.0}, {"weight_decay": 0.02}]),
+    ("adam", {}, [{"weight_decay": 0.0}, {"weight_decay": 0.05}]),
+    ("adamw", {}, [{"weight_decay": 0.01}, {"weight_decay": 0.0}]),
+]
+TORCH = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def twin_optimizers(name, options, settings):
+    """torch's optimizer and ours over equal copies of the same parameters, two groups."""
+    torch.manual_seed(1)
+    start = [torch.randn(shape) for shape in SHAPES]
+    twins = []
+    for maker in (TORCH[name], OPTIMIZERS[name]):
+        params = [t.clone() for t in start]
+        groups = [{"params": params[:2], "lr": 0.05, **settings[0]},
+                  {"params": params[2:], "lr": 0.2, **settings[1]}]
+        twins.append((maker(groups, **options), params))
+    return twins
+
+
+@pytest.mark.parametrize(("name", "options", "settings"), CASES)
+def test_our_updates_are_torchs_bit_for_bit(name, options, settings):
+    (theirs, their_params), (ours, our_params) = twin_optimizers(name, options, settings)
+    grads = gradients(SHAPES, 6, seed=2)
+    for step in range(6):
+        take_steps(theirs, their_params, grads[step:step + 1])
+        take_steps(ours, our_params, grads[step:step + 1])
+        for theirs_p, ours_p in zip(their_params, our_params):
+            assert torch.equal(theirs_p, ours_p), (name, step)
+    assert not torch.equal(their_params[0], twin_optimizers(name, options, settings)[0][1][0])
+    their_state, our_state = theirs.state_dict()["state"], ours.state_dict()["state"]
+    assert their_state.keys() == our_state.keys()
+    for number, values in their_state.items():
+        assert values.keys() == our_state[number].keys()
+        for key, value in values.items():
+            assert torch.equal(value, our_state[number][key]) and value.dtype == \
+                our_state[number][key].dtype, (number, key)
+
+
+def through_a_file(state: dict) -> dict:
+    """The state as a checkpoint holds it: saved with torch.save, read back (no tensor shared
+    with the optimizer that wrote it)."""
+    file = io.BytesIO()
+    torch.save(state, file)
+    file.seek(0)
+    return torch.load(file)
+
+
+@pytest.mark.parametrize(("name", "options", "settings"), CASES)
+def test_a_checkpoint_moves_between_torchs_optimizer_and_ours(name, options, settings):
+    """Checkpoints written with torch's optimizers (before this package had its own) resume
+    with ours, and ours load into torch's: the next steps agree bit for bit."""
+    grads = gradients(SHAPES, 6, seed=3)
+    for writer, reader in ((0, 1), (1, 0)):
+        twins = twin_optimizers(name, options, settings)
+        (saving, saved_params), (loading, loaded_params) = twins[writer], twins[reader]
+        take_steps(saving, saved_params, grads[:3])
+        for source, target in zip(saved_params, loaded_params):
+            target.copy_(source)
+        loading.load_state_dict(through_a_file(saving.state_dict()))
+        assert [g["lr"] for g in loading.param_groups] == [0.05, 0.2]
+        take_steps(saving, saved_params, grads[3:])
+        take_steps(loading, loaded_params, grads[3:])
+        for a, b in zip(saved_params, loaded_params):
+            assert torch.equal(a, b), (name, writer)
+
+
+def test_a_checkpoint_of_other_groups_is_refused():
+    (_, _), (ours, _) = twin_optimizers("sgd", {}, CASES[0][2])
+    other = SGD([{"params": [torch.zeros(1)]}])
+    with pytest.raises(ValueError, match="parameter groups do not match"):
+        ours.load_state_dict(other.state_dict())
+
+
+def test_a_run_imports_neither_transformers_nor_torchs_compiler():
+    """torch's optimizers import torch._dynamo (and sympy) on first use, and HF's schedules
+    transformers: seconds of CPU in every worker of every run. A fresh process that builds
+    each optimizer with a warmed-up schedule and takes private steps imports neither."""
+    code = f"""
+import sys
+import torch
+from raydp_train.config.pipeline import pipeline_from_dict
+from raydp_train.data.sources import load_data
+from raydp_train.models.builders import build_model
+from raydp_train.train.optim import make_optimizer, make_schedule
+from raydp_train.train.step import DP_SGD, cross_entropy_loss, private_step
+data = load_data(pipeline_from_dict({BASE!r}).data).to_torch()
+for name in ("sgd", "adam", "adamw"):
+    p = pipeline_from_dict({BASE!r}, ["training.optimizer=" + name,
+                           "training.schedule=cosine", "training.warmup_steps=2"])
+    model = build_model(p.model, data.feature_shape, data.num_classes)
+    optimizer = make_optimizer(model, p.training)
+    schedule = make_schedule(optimizer, p.training, 15)
+    clipper = DP_SGD.attach(model, 1.0)
+    for _ in range(3):
+        private_step(model, clipper, optimizer, [(data.train_features[:8],
+                     data.train_labels[:8])], cross_entropy_loss, 1.0, 8.0, torch.Generator())
+        schedule.step()
+    assert schedule.last_epoch == 3
+print(sorted(m for m in ("torch._dynamo", "sympy", "transformers") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False, cwd=Path(__file__).parents[1], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 class ResumingContext(LocalContext):

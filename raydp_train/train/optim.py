@@ -1,5 +1,7 @@
 """The optimizer of a run: parameter groups (`training.param_groups`) and the learning-rate
-schedule (`training.schedule`, Hugging Face's `get_scheduler`), stepped once per logical step.
+schedule (`training.schedule`, Hugging Face's `get_scheduler` schedules), stepped once per
+logical step. The updates and schedules are this package's own, held to torch's and Hugging
+Face's (updates.py and schedules.py say why).
 
 Groups select parameters by the names `model.trainable` uses (a Hugging Face model's own
 names, e.g. `classifier.weight`, without the wrapper's prefix). LSG's adapted weights are
@@ -11,12 +13,13 @@ from __future__ import annotations
 
 import fnmatch
 
-import torch
 from torch import nn
 
 from raydp_train.config.training import TrainingSetupError
+from raydp_train.train.schedules import Schedule
+from raydp_train.train.updates import SGD, Adam, AdamW, Optimizer
 
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 
 
 def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -29,7 +32,7 @@ def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def parameter_groups(model: nn.Module, training) -> list[dict]:
-    """torch param groups: one per `training.param_groups` entry, then the rest at training.lr.
+    """Parameter groups: one per `training.param_groups` entry, then the rest at training.lr.
     A pattern matching no trainable parameter is an error naming the entry."""
     named = named_trainable(model)
     claimed: set[str] = set()
@@ -60,30 +63,17 @@ def _group(params: list, lr: float | None, weight_decay: float | None, training)
             "weight_decay": training.weight_decay if weight_decay is None else weight_decay}
 
 
-def make_optimizer(model: nn.Module, training) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, training) -> Optimizer:
     options = {"momentum": training.momentum} if training.optimizer == "sgd" else {}
     return OPTIMIZERS[training.optimizer](parameter_groups(model, training), **options)
 
 
-def make_schedule(optimizer: torch.optim.Optimizer, training, total_steps: int):
-    """Hugging Face's scheduler of that name over `total_steps` logical steps (not re-derived
-    here: `get_scheduler` is the reference). A constant rate without warmup is the LambdaLR of
-    a multiplier 1 that HF's constant schedule is: importing transformers for it would cost
-    each worker of every run seconds of CPU (benchmarks/RESULTS.md, suite floor)."""
-    warmup = training.warmup_for(total_steps)
-    if training.schedule == "constant" and not warmup:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, _unchanged_rate)
-    from transformers import get_scheduler
-
-    name = "constant_with_warmup" if training.schedule == "constant" else training.schedule
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+def make_schedule(optimizer: Optimizer, training, total_steps: int) -> Schedule:
+    """The learning-rate schedule over `total_steps` logical steps."""
+    return Schedule(optimizer, training.schedule, training.warmup_for(total_steps), total_steps)
 
 
-def _unchanged_rate(step: int) -> float:
-    return 1.0
-
-
-def schedule_scale(optimizer: torch.optim.Optimizer) -> float:
+def schedule_scale(optimizer: Optimizer) -> float:
     """The schedule's current multiplier of every group's learning rate."""
     group = optimizer.param_groups[0]
     return group["lr"] / group["initial_lr"]

@@ -16,6 +16,7 @@ from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.mechanism import DpSgd, Mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_
 from raydp_train.train.engine_checks import EngineChecks
+from raydp_train.train.updates import Optimizer
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 Precision = Literal["fp32", "bf16"]
@@ -37,7 +38,7 @@ class StepStats:
 def private_step(
     model: nn.Module,
     clipper: PerExampleClipper,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer | torch.optim.Optimizer,  # ours (updates.py) or a user's own
     micro_batches: Iterable[tuple[Tensor, Tensor]],
     per_example_loss: LossFn,
     noise_std: float,
