@@ -15,8 +15,12 @@ run: $(STAMP)
 # idle while Ray starts, stops and waits. Each worker takes whole files (a module's Ray head
 # or cluster starts once), in collection order: those that start processes first
 # (tests/conftest.py). Every test over 10 s is listed at the end: where the time goes.
+# The package is installed editable, so pip compiles none of it: compiled here, each of the
+# suite's hundreds of processes (Ray's workers included) reads it instead of compiling it
+# again where PYTHONDONTWRITEBYTECODE is set (0.1 CPU s a process; benchmarks/RESULTS.md).
 TEST_WORKERS ?= 2
 test: $(STAMP)
+	$(BIN)/python -m compileall -q raydp_train
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=0 --durations-min=10
 
