@@ -34,11 +34,17 @@ lint: $(STAMP)
 
 setup: $(STAMP)
 
+# torch through pip (pip alone finds the CPU build on this machine's disk); the rest through
+# uv, which installs the same packages in 24 s instead of pip's 55 (benchmarks/RESULTS.md),
+# compiling them as pip does: this machine sets PYTHONDONTWRITEBYTECODE, so a package left
+# uncompiled is compiled again by every process that imports it. pip if uv cannot be had.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	($(BIN)/python -m pip install --quiet uv && \
+	  $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e ".[test]") || \
+	  $(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
 clean:

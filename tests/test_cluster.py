@@ -59,7 +59,8 @@ def test_an_embedded_run_beside_a_head_node_does_not_join_it(head, tmp_path):
     # would join the head and refuse num_cpus there.
     run = subprocess.run(
         [str(BIN / "raydp-train"), "run", "pipelines/quickstart.yaml", "--set",
-         "training.epochs=2", "--set", f"run.output_dir={tmp_path}"],
+         "training.epochs=2", "--set", "training.workers=1", "--set",
+         f"run.output_dir={tmp_path}"],
         env=head.env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "privacy spent" in run.stdout

@@ -47,6 +47,12 @@ def small_pipeline(workers, **training):
     })
 
 
+def fit_given_rows(pipeline, plan, run_dir, **options):
+    """`fit` with the rows the driver loaded, as `raydp-train run` calls it (each worker then
+    takes its share rather than making the synthetic data again: no sklearn import there)."""
+    return fit(pipeline, plan, run_dir, dataset=load_data(pipeline.data), **options)
+
+
 def initial_parameters(pipeline):
     data = load_data(pipeline.data).to_torch()
     torch.manual_seed(pipeline.run.seed)
@@ -70,7 +76,7 @@ def test_noise_is_one_draw_per_step_whatever_the_world_size(ray_session, tmp_pat
     model, _ = initial_parameters(pipeline)
     # Epoch 1 ends at step 10: from then on rank 1 has no accountant loaded (only rank 0's
     # row is published).
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None,
+    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None,
                  after_step=AccountantOnRankZeroOnly(15))
     assert not (tmp_path / "run" / AccountantOnRankZeroOnly.MARKER).exists()
     total_update = flat(result.model) - flat(model)
@@ -93,7 +99,7 @@ def test_noiseless_distributed_step_equals_single_process_clipped_sum(ray_sessio
     clipper.accumulate(cross_entropy_loss, model, data.train_features, data.train_labels)
     expected = flat(model) - clipper.flat_grad / 640.0  # SGD, lr 1, divide by q N = 640
     clipper.close()
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
+    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
     assert result.steps_done == 1
     torch.testing.assert_close(flat(result.model), expected, rtol=1e-6, atol=1e-6)
 
@@ -102,7 +108,7 @@ def test_worker_failure_resumes_and_counts_every_step_run(ray_session, tmp_path)
     pipeline = small_pipeline(2, epochs=3)  # epochs end at steps 10, 20, 30 (q = 0.1)
     plan = make_plan(pipeline, 640)
     rows = []
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=rows.append, after_step=FailOnce(15))
+    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=rows.append, after_step=FailOnce(15))
     assert (tmp_path / "run" / ".injected_failure").exists()  # it did fail once
     assert result.steps_done == 30
     # Epoch 2 was charged before it ran, released steps 10-14, and rank 1 failed; after the
@@ -123,7 +129,7 @@ def test_a_restart_never_takes_a_calibrated_run_past_its_target_epsilon(ray_sess
                                                        "delta": 1e-5}})
     plan = make_plan(pipeline, 640)
     assert plan.noise_calibrated and plan.epsilon(30) <= 2.0 < plan.epsilon(35)
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15))
+    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15))
     assert result.stop_reason.startswith("target epsilon reached")
     assert result.steps_done == 20 and result.steps_charged in released_or_one_more(25)
     assert plan.epsilon(result.steps_charged) <= 2.0
@@ -138,7 +144,7 @@ def test_a_restart_never_takes_a_random_stopping_trial_past_its_reservation(ray_
     after the second."""
     pipeline = small_pipeline(2, epochs=3)
     plan = make_plan(pipeline, 640)
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15),
+    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15),
                  ceiling=planned_charges(plan))
     assert result.stop_reason.startswith("reservation used up")
     assert result.steps_done == 20 and result.steps_charged in released_or_one_more(25)
@@ -181,8 +187,8 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(ray_session, tmp_path)
                                    "run": {"seed": 11, "max_failures": 0}})
     plan = make_plan(pipeline, 640)
     with pytest.raises(TrainingFailedError):
-        fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15))
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
+        fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15))
+    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
     assert result.steps_done == 30 and result.steps_charged in released_or_one_more(35)
     assert [r["epoch"] for r in result.metrics] == [1, 2, 3]
     # The schedule went on from the checkpoint's step 10, not from 0: lr(k) = lr (1 + cos(pi k
@@ -205,7 +211,7 @@ def test_lsg_on_two_workers_adds_one_draw_to_the_kept_entries_only(ray_session, 
     plan = make_plan(pipeline, 640)
     # LSG accounting = DP-SGD accounting: the same plan but for the mechanism.
     assert plan == replace(make_plan(small_pipeline(2), 640), mechanism=mechanism_named("lsg"))
-    result = fit(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
+    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
     # Only the 20 -> 128 layer is adapted (the 128 -> 2 head has min(n, m) = 2 <= rank 4):
     # kept carriers (128 - 64) * 4 + (20 - 10) * 4 = 296, its bias 128, the head's 258.
     assert result.trained_per_step == 296 + 258 + 128

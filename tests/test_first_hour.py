@@ -59,7 +59,7 @@ data:
   text_column: review
   max_length: 12
   label_column: liked
-model: {{kind: hf, name_or_path: "{MINILM}", num_labels: 2}}
+model: {{kind: hf, name_or_path: "{MINILM}", num_labels: 2, trainable: {{last_k_layers: 1}}}}
 privacy:
   mechanism: lora
   noise_multiplier: 1.0

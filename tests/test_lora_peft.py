@@ -25,7 +25,7 @@ SETTINGS = ["privacy.mechanism=lora", "privacy.lora.rank=2", "privacy.clip_norm=
 
 
 def _lora_run(tmp_path):
-    pipeline = text_pipeline(tmp_path, pooling="cls")
+    pipeline = text_pipeline(tmp_path, pooling="cls", trainable={"last_k_layers": 1})
     assert main(["run", pipeline, *[x for s in SETTINGS for x in ("--set", s)]]) == 0
     (run_dir,) = (tmp_path / "runs").iterdir()
     return run_dir, json.loads((run_dir / "record.json").read_text())
