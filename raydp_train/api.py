@@ -239,7 +239,7 @@ def _status(result) -> str:
 
 
 def _cpus(pipeline: Pipeline) -> int:
-    return max(4, pipeline.training.workers + 2)  # workers, the progress queue, the controller
+    return max(4, pipeline.training.workers + 2)  # room beside the workers: ARCHITECTURE.md §4
 
 
 def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source: str,

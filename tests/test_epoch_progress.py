@@ -1,17 +1,19 @@
 """Progress within a long epoch (issue 31): rank 0 shows where it is every PROGRESS_EVERY_S
 seconds, the driver prints it apart from the epoch rows, with the time left. No Ray: the loop
-in this process with a context that keeps what it shows, and the driver's printer fed by a
-queue stand-in."""
+in this process with a context that keeps what it shows, and the driver's printer reading the
+lines rank 0 appends to the run directory (train/progress_lines.py)."""
 
 import threading
 
-from ray.util.queue import Empty
+import numpy as np
+import torch
 
 from raydp_train.commands.console import progress_printer
 from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.train import trainer, worker
 from raydp_train.train.context import LocalContext
 from raydp_train.train.plan import make_plan
+from raydp_train.train.progress_lines import PROGRESS_LINES, RowReader, append_row
 
 
 class ShowingContext(LocalContext):
@@ -39,29 +41,50 @@ def test_the_loop_shows_its_place_within_each_epoch(monkeypatch):
     assert all(row["epoch_elapsed_s"] >= 0 for row in context.shown)
 
 
-class Rows:
-    """Ray's Queue as the printer sees it: get(timeout), Empty when drained."""
-
-    def __init__(self, rows):
-        self.rows = list(rows)
-
-    def get(self, timeout):
-        if not self.rows:
-            raise Empty
-        return self.rows.pop(0)
-
-
-def test_the_driver_prints_progress_apart_from_epoch_rows(capsys):
-    epochs, progress = [], []
-    stop = threading.Event()
-    stop.set()  # print what is queued, then return
+def test_the_driver_prints_progress_apart_from_epoch_rows(tmp_path, capsys):
     rows = [{"epoch": 1, "step": 50, "first_step": 0, "last_step": 200,
              "epoch_elapsed_s": 30.0, "within_epoch": True}, {"epoch": 1, "steps": 200}]
-    trainer._print_progress(Rows(rows), epochs.append, progress.append, stop)
-    assert epochs == [{"epoch": 1, "steps": 200}] and len(progress) == 1
-    trainer._print_progress(Rows(rows), epochs.append, None, stop)  # no printer: dropped
-    assert len(epochs) == 2
-    progress_printer(3)(progress[0])
+    for use_progress in (True, False):
+        reader, epochs, progress = RowReader(tmp_path), [], []
+        for row in rows:
+            append_row(tmp_path, row)
+        stop = threading.Event()
+        stop.set()  # the run has ended: print what it wrote, then return
+        trainer._print_progress(reader, epochs.append,
+                                progress.append if use_progress else None, stop)
+        assert epochs == [{"epoch": 1, "steps": 200}]
+        assert progress == (rows[:1] if use_progress else [])  # no printer: dropped
+    progress_printer(3)(rows[0])
     line = capsys.readouterr().out
     assert "epoch   1/3" in line and "50/200 of the epoch's steps" in line
     assert "(30s, about 90s left)" in line
+
+
+def test_the_driver_reads_each_new_row_once_and_whole(tmp_path):
+    append_row(tmp_path, {"epoch": 1})  # an earlier attempt's row, before the reader
+    reader = RowReader(tmp_path)
+    assert reader.new_rows() == []
+    append_row(tmp_path, {"epoch": 2, "loss": np.float32(0.5), "steps": torch.tensor(7)})
+    with open(tmp_path / PROGRESS_LINES, "a") as lines:
+        lines.write('{"epoch": 3, "lo')  # rank 0 is writing: half a line so far
+    assert reader.new_rows() == [{"epoch": 2, "loss": 0.5, "steps": 7}]
+    assert reader.new_rows() == []
+    with open(tmp_path / PROGRESS_LINES, "a") as lines:
+        lines.write('ss": NaN}\n')
+    (third,) = reader.new_rows()
+    assert third["epoch"] == 3 and np.isnan(third["loss"])
+    reader.remove()
+    assert not (tmp_path / PROGRESS_LINES).exists() and reader.new_rows() == []
+
+
+def test_a_row_written_while_the_run_ends_is_still_shown(tmp_path):
+    """The printer reads once more after the run has ended: a row the workers wrote just
+    before fit returned is not lost."""
+    reader, epochs, stop = RowReader(tmp_path), [], threading.Event()
+    printer = threading.Thread(target=trainer._print_progress,
+                               args=(reader, epochs.append, None, stop))
+    printer.start()
+    append_row(tmp_path, {"epoch": 1})
+    stop.set()
+    printer.join(timeout=10)
+    assert not printer.is_alive() and epochs == [{"epoch": 1}]

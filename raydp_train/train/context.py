@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from raydp_train.train.charges import Charged, ChargeRefused, MemoryCharges, RunAccount
+from raydp_train.train.progress_lines import append_row
 from raydp_train.train.stops import StopReason
 
 
@@ -77,8 +78,8 @@ class LocalContext:
 class RayTrainContext:
     """One rank of a Ray Train worker group (torch.distributed is set up by TorchTrainer)."""
 
-    def __init__(self, progress_queue, account: RunAccount, run_dir: str,
-                 splits: tuple[str, ...] = (), concurrent_runs: int = 1):
+    def __init__(self, account: RunAccount, run_dir: str, splits: tuple[str, ...] = (),
+                 concurrent_runs: int = 1):
         import ray.train
         import ray.train.torch
 
@@ -89,7 +90,7 @@ class RayTrainContext:
         self.sharing = context.get_local_world_size() * concurrent_runs
         self.node = ray.util.get_node_ip_address()  # the address of this worker's node
         self.device = ray.train.torch.get_device()
-        self.progress_queue, self.account, self.run_dir = progress_queue, account, run_dir
+        self.account, self.run_dir = account, run_dir
         self.splits = splits
 
     def dataset_shards(self) -> dict | None:
@@ -167,7 +168,7 @@ class RayTrainContext:
     def show_progress(self, row: dict) -> None:
         """Rank 0's place within a long epoch, for the driver's console."""
         if self.rank == 0:
-            self.progress_queue.put({**row, "within_epoch": True})
+            append_row(self.run_dir, {**row, "within_epoch": True})
 
     def report(self, row: dict, state: dict) -> None:
         import ray.train
@@ -175,7 +176,7 @@ class RayTrainContext:
         if self.rank != 0:
             ray.train.report(row)
             return
-        self.progress_queue.put(row)
+        append_row(self.run_dir, row)
         with tempfile.TemporaryDirectory() as directory:
             state_file = Path(directory) / STATE_FILE
             torch.save(state, state_file)

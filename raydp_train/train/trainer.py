@@ -13,7 +13,6 @@ import ray
 from ray import cloudpickle
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
-from ray.util.queue import Empty, Queue
 
 from raydp_train.budget.actor import BudgetClient
 from raydp_train.config.pipeline import Pipeline, pipeline_from_dict
@@ -24,6 +23,7 @@ from raydp_train.runs.quiet import ray_logging_level
 from raydp_train.train.charges import Charged, ChargeLedger, RunAccount, epsilon_cap
 from raydp_train.train.context import RayTrainContext, clear_stop, request_stop, stop_requested
 from raydp_train.train.plan import PrivacyPlan
+from raydp_train.train.progress_lines import RowReader
 from raydp_train.train.result import TrainResult
 from raydp_train.train.worker import train
 
@@ -51,8 +51,8 @@ def ensure_ray(address: str | None, num_cpus: int, verbose: bool = False) -> Non
     else:
         # "local" always starts a new Ray: without it, ray.init joins any cluster that a
         # `ray start --head` on this machine recorded (and refuses num_cpus there).
-        # Logical CPUs may exceed the machine's: workers, the progress queue and Ray's own
-        # controller must all be schedulable on a 2-core laptop (ARCHITECTURE.md §4).
+        # Logical CPUs may exceed the machine's: workers and Ray Train's controller must
+        # all be schedulable on a 2-core laptop (ARCHITECTURE.md §4).
         # A Ray of one machine is never drained for preemption: no watcher actor per run.
         os.environ.setdefault(PREEMPTION_WATCHER, "0")
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
@@ -102,13 +102,13 @@ def fit(
     run_dir = Path(run_dir).resolve()
     for name, value in TRAIN_SETTINGS.items():  # a user's own value wins
         os.environ.setdefault(name, value)
-    progress = Queue(actor_options=on_this_node())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows = RowReader(run_dir)  # before any worker starts: every row of this fit, once
     splits = file_splits(pipeline.data)  # the splits that reach the workers as shards, or None
     config = {
         "pipeline": pipeline.model_dump(mode="json"),
         "plan": plan,
         "run_dir": str(run_dir),
-        "progress": progress,
         "after_step": after_step,
         "budget": budget,
         "owner": owner or run_dir.name,
@@ -120,14 +120,14 @@ def fit(
     clear_stop(run_dir)
     stop = threading.Event()
     printer = threading.Thread(target=_print_progress, daemon=True,
-                               args=(progress, on_epoch, on_progress, stop))
+                               args=(rows, on_epoch, on_progress, stop))
     printer.start()
     try:
         result = _fit_until_stopped(trainer, run_dir)
     finally:
         stop.set()
         printer.join()
-        progress.shutdown()
+        rows.remove()
     trained: TrainResult = cloudpickle.loads(result.return_value)
     if len(set(trained.checksums)) != 1:
         raise RuntimeError(f"workers ended with different parameters: {trained.checksums}")
@@ -158,16 +158,6 @@ def _torch_trainer(pipeline: Pipeline, run_dir: Path, config: dict, splits: dict
             callbacks=callbacks,
         ),
     )
-
-
-def on_this_node() -> dict:
-    """Actor options that keep a driver-side helper on the driver's node, as Ray Train keeps
-    its controller: where it would die with a worker node, the run would die with it."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node = ray.get_runtime_context().get_node_id()
-    return {"num_cpus": 0,
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
 
 
 def _data_for_workers(pipeline: Pipeline, dataset, splits: dict | None) -> dict:
@@ -218,19 +208,20 @@ def _fit_until_stopped(trainer: TorchTrainer, run_dir: Path):
     return outcome["result"]
 
 
-def _print_progress(progress: Queue, on_epoch, on_progress, stop: threading.Event) -> None:
+def _print_progress(rows: RowReader, on_epoch, on_progress, stop: threading.Event) -> None:
     """Show rank 0's per-epoch rows on the driver as they arrive (Ray's logs stay quiet), and
-    its rows from within a long epoch through `on_progress`, if given."""
+    its rows from within a long epoch through `on_progress`, if given; once the run has
+    ended, the rows it wrote last."""
     while True:
-        try:
-            row = progress.get(timeout=0.5)
+        ended = stop.is_set()
+        for row in rows.new_rows():
             if not row.get("within_epoch"):
                 on_epoch(row)
             elif on_progress is not None:
                 on_progress(row)
-        except Empty:
-            if stop.is_set():
-                return
+        if ended:
+            return
+        stop.wait(0.2)
 
 
 def _train_loop_per_worker(config: dict) -> bytes | None:
@@ -238,7 +229,7 @@ def _train_loop_per_worker(config: dict) -> bytes | None:
     plan = config["plan"]
     account = RunAccount(ChargeLedger(config["run_dir"]), config["budget"], config["owner"], plan,
                          epsilon_cap(pipeline, plan), config["ceiling"])
-    context = RayTrainContext(config["progress"], account, config["run_dir"], config["splits"],
+    context = RayTrainContext(account, config["run_dir"], config["splits"],
                               config["concurrent_runs"])
     dataset = None if config["dataset"] is None else ray.get(config["dataset"])
     try:
