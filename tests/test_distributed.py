@@ -77,7 +77,7 @@ def test_noise_is_one_draw_per_step_whatever_the_world_size(ray_session, tmp_pat
     # Epoch 1 ends at step 10: from then on rank 1 has no accountant loaded (only rank 0's
     # row is published).
     result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None,
-                 after_step=AccountantOnRankZeroOnly(15))
+                            after_step=AccountantOnRankZeroOnly(15))
     assert not (tmp_path / "run" / AccountantOnRankZeroOnly.MARKER).exists()
     total_update = flat(result.model) - flat(model)
     expected = plan.steps**0.5 * SIGMA * CLIP / plan.expected_batch_size
@@ -108,7 +108,8 @@ def test_worker_failure_resumes_and_counts_every_step_run(ray_session, tmp_path)
     pipeline = small_pipeline(2, epochs=3)  # epochs end at steps 10, 20, 30 (q = 0.1)
     plan = make_plan(pipeline, 640)
     rows = []
-    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=rows.append, after_step=FailOnce(15))
+    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=rows.append,
+                            after_step=FailOnce(15))
     assert (tmp_path / "run" / ".injected_failure").exists()  # it did fail once
     assert result.steps_done == 30
     # Epoch 2 was charged before it ran, released steps 10-14, and rank 1 failed; after the
@@ -129,7 +130,8 @@ def test_a_restart_never_takes_a_calibrated_run_past_its_target_epsilon(ray_sess
                                                        "delta": 1e-5}})
     plan = make_plan(pipeline, 640)
     assert plan.noise_calibrated and plan.epsilon(30) <= 2.0 < plan.epsilon(35)
-    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15))
+    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None,
+                            after_step=FailOnce(15))
     assert result.stop_reason.startswith("target epsilon reached")
     assert result.steps_done == 20 and result.steps_charged in released_or_one_more(25)
     assert plan.epsilon(result.steps_charged) <= 2.0
@@ -144,8 +146,8 @@ def test_a_restart_never_takes_a_random_stopping_trial_past_its_reservation(ray_
     after the second."""
     pipeline = small_pipeline(2, epochs=3)
     plan = make_plan(pipeline, 640)
-    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15),
-                 ceiling=planned_charges(plan))
+    result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None,
+                            after_step=FailOnce(15), ceiling=planned_charges(plan))
     assert result.stop_reason.startswith("reservation used up")
     assert result.steps_done == 20 and result.steps_charged in released_or_one_more(25)
 
@@ -187,7 +189,8 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(ray_session, tmp_path)
                                    "run": {"seed": 11, "max_failures": 0}})
     plan = make_plan(pipeline, 640)
     with pytest.raises(TrainingFailedError):
-        fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None, after_step=FailOnce(15))
+        fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None,
+                       after_step=FailOnce(15))
     result = fit_given_rows(pipeline, plan, tmp_path / "run", on_epoch=lambda row: None)
     assert result.steps_done == 30 and result.steps_charged in released_or_one_more(35)
     assert [r["epoch"] for r in result.metrics] == [1, 2, 3]
