@@ -1,6 +1,8 @@
 """The budget accountant as a real Ray actor, and sweeps that spend from it (local Ray)."""
 
 import json
+import re
+from pathlib import Path
 
 import dp_accounting
 import pyarrow.parquet as pq
@@ -127,6 +129,7 @@ def assert_best_model_loads(sweep_dir, best: dict) -> None:
     best_yaml = (sweep_dir / "best.yaml").read_text()
     assert f"already saved: {model_dir}" in best_yaml and "SPENDS AGAIN" in best_yaml
     record = json.loads((model_dir / "record.json").read_text())
+    assert record["written_to"]["run_dir"] == str(model_dir.resolve())  # where it was moved
     best_pipeline = load_pipeline(sweep_dir / "best.yaml")
     assert record["pipeline"] == best_pipeline.model_dump(mode="json")
     assert record["privacy"]["steps"] > 0 and record["privacy"]["for_release"] is False  # seeded
@@ -136,7 +139,8 @@ def assert_best_model_loads(sweep_dir, best: dict) -> None:
     assert model(torch.zeros(1, 64)).shape == (1, 10)
 
 
-def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_session, tmp_path):
+def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_session, tmp_path,
+                                                                        capsys):
     overrides = [f"run.output_dir={tmp_path}/runs", f"budget.ledger={tmp_path}/budgets",
                  "budget.name=test-random-stopping", "budget.epsilon=20", "training.epochs=1",
                  "tune.selection=random_stopping", "tune.random_stopping={mean_trials: 2}",
@@ -149,13 +153,30 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
                  ("tune.search_space={privacy.noise_multiplier: {choice: [1.2, 1.5, 2.0]}, "
                   "'training.param_groups[0].lr': {loguniform: [0.003, 0.03]}, "
                   "training.batch_size: {choice: [64, 128]}}")]
+    session = Path(ray_session.init(ignore_reinit_error=True).address_info["session_dir"])
+    staged_before = set(session.glob("artifacts/*/trials"))  # other sweeps' Tune staging
     assert main(["tune", "pipelines/sweep_digits.yaml"]
                 + [x for o in overrides for x in ("--set", o)]) == 0
+    printed = capsys.readouterr().out
+    assert set(session.glob("artifacts/*/trials")) == staged_before  # Tune's copy removed
     (sweep_dir,) = (tmp_path / "runs").glob("sweep-digits-sweep-*")
     summary = json.loads((sweep_dir / "sweep.json").read_text())
-    assert len(summary["trials"]) == summary["privacy"]["trials_drawn"] >= 1
-    assert all(0.003 <= t["training.param_groups[0].lr"] <= 0.03 for t in summary["trials"])
-    assert not [t["error"] for t in summary["trials"] if "error" in t]  # each trial applied it
+    # Its guarantee covers the best trial's outputs alone: neither how many trials ran nor any
+    # other trial's progress, metrics, Tune records or model is written or printed.
+    (best,) = summary["trials"]
+    assert best["trial"] == summary["best"]["trial"] == "best"
+    assert "trials_drawn" not in summary["privacy"] and "trials" not in summary["privacy"]
+    assert sorted(path.name for path in sweep_dir.iterdir()) == [
+        "best.yaml", "best_model", "pipeline.yaml", "privacy_utility.png", "results.parquet",
+        "sweep.json"]
+    tune_trial_id = re.compile(r"_\d{5}\b")  # Tune's trial ids count the trials
+    written = [sweep_dir / "sweep.json", sweep_dir / "best.yaml",
+               *(sweep_dir / "best_model").glob("*.json")]
+    for text in (printed, *(path.read_text() for path in written)):
+        assert not tune_trial_id.search(text), tune_trial_id.search(text)
+    assert " epoch 1" not in printed and pq.read_table(sweep_dir / "results.parquet").num_rows == 1
+    assert 0.003 <= best["training.param_groups[0].lr"] <= 0.03
+    assert "error" not in best  # the trial applied it
     rows = ledger_rows("test-random-stopping", f"{tmp_path}/budgets")
     # One random-stopping reservation (mean_trials > 0) of DP-LoRA trials, settled in full.
     assert [(r["kind"], r["mechanism"], r["mean_trials"]) for r in rows[1:]] == [
@@ -163,5 +184,5 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
     assert rows[1]["noise_multiplier"] == 1.2  # the costliest trial the space allows
     # N = 1150 training rows: the largest q (batch 128) and the most steps (batch 64: 17)
     assert (rows[1]["sampling_rate"], rows[1]["steps"]) == (128 / 1150, 17)
-    assert {t["training.batch_size"] for t in summary["trials"]} <= {64, 128}
+    assert best["training.batch_size"] in {64, 128}
     assert summary["privacy"]["epsilon"] == pytest.approx(rows[1]["running_epsilon"])

@@ -263,9 +263,59 @@ def test_unsupported_layer_is_refused_by_name():
 
 
 def test_unsupported_layer_is_accepted_when_frozen():
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model = nn.Sequential(nn.Linear(4, 4), nn.PReLU())
     model[1].requires_grad_(False)
     assert PerExampleClipper(model, 1.0).num_parameters == 20
+
+
+@pytest.mark.parametrize("module", [
+    nn.BatchNorm1d(4).requires_grad_(False),  # frozen: still the batch's statistics
+    nn.BatchNorm1d(4, affine=False),
+    nn.BatchNorm1d(4, track_running_stats=False).requires_grad_(False),
+    nn.InstanceNorm1d(4, track_running_stats=True),  # running means of the data, un-noised
+], ids=["frozen", "no-affine", "no-running-stats", "instance-norm-running-stats"])
+def test_a_module_whose_state_comes_from_the_batch_is_refused_trained_or_frozen(module):
+    """Frozen, such a BatchNorm has no parameter to clip, but in training it normalizes each
+    example by the batch (one example then moves every other's clipped gradient: 1.3-8.7 C
+    measured) and writes the batch's means into its running statistics, saved un-noised."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Unflatten(1, (4, 1)), module, nn.Flatten())
+    with pytest.raises(UnsupportedLayerError, match=rf"module '2' \({type(module).__name__}\)"
+                                                    ".*trained or frozen.*GroupNorm"):
+        PerExampleClipper(model, 1.0)
+
+
+def test_a_batchnorm_moves_other_examples_gradients_which_is_why_it_is_refused():
+    """The oracle behind the refusal: with a frozen BatchNorm in training mode, removing one
+    example changes the clipped gradients of the others, so the clipped sum moves by more than
+    C, which no per-example clipping can bound."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4).requires_grad_(False), nn.ReLU(),
+                          nn.Linear(4, 2)).train()
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    x[0] *= 20  # an outlier
+
+    def clipped_sum(rows):
+        grads = []
+        for i in rows:  # each example's own loss, the batch's statistics in its forward
+            model.zero_grad()
+            F.cross_entropy(model(x[rows])[rows.index(i):rows.index(i) + 1],
+                                        y[i:i + 1], reduction="sum").backward()
+            flat = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+            grads.append(flat * min(1.0, 1.0 / float(flat.norm())))
+        return torch.stack(grads).sum(0)
+
+    others = list(range(1, 6))
+    assert float((clipped_sum([0, *others]) - clipped_sum(others)).norm()) > 1.0
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_an_embedding_with_max_norm_is_refused(trained):
+    """Its forward renormalizes, in place, the rows of the tokens the batch holds: whether a
+    rare token was in the data would show in the saved weights."""
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0).requires_grad_(trained),
+                          nn.Flatten(), nn.Linear(8, 2))
+    with pytest.raises(UnsupportedLayerError, match=r"module '0' \(Embedding\) has max_norm"):
+        PerExampleClipper(model, 1.0)
 
 
 def test_linear_subclass_with_its_own_forward_is_refused():

@@ -162,3 +162,37 @@ def test_bad_arguments_are_refused_by_name(field):
     with pytest.raises(rt.UserError, match=f"PrivateStep {message}".replace("(", r"\(")
                        .replace(")", r"\)")):
         rt.PrivateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), **arguments)
+
+
+def _mixing_loss(model, features, labels):
+    """Each example's logits centred on the batch's mean: one example moves the others'
+    losses, which per-example clipping cannot bound."""
+    logits = model(features)
+    return torch.nn.functional.cross_entropy(logits - logits.mean(0, keepdim=True), labels,
+                                             reduction="none")
+
+
+@pytest.mark.usefixtures("float64")
+def test_a_loss_that_mixes_examples_is_refused_before_the_first_noisy_step():
+    """The own loop runs the pipeline's self-check: on the first step, the engine against one
+    backward pass per example; a mismatch stops the step before its noisy gradient reaches
+    the model."""
+    from raydp_train.privacy.self_check import SelfCheckError
+
+    inputs, labels = _data()
+    model = _model()
+    before = _flat(model)
+    private = rt.PrivateStep(model, torch.optim.SGD(model.parameters(), lr=1.0), clip_norm=C,
+                             noise_multiplier=SIGMA, expected_batch_size=B, num_examples=N,
+                             delta=1e-3, loss=_mixing_loss, seed=0)
+    with pytest.raises(SelfCheckError):
+        private.step(inputs[:8], labels[:8])
+    assert _flat(model) == before and private.steps_done == 0
+    private.finish()
+    # The same loss with the check turned off steps (privacy.self_check.enabled: false).
+    unchecked = rt.PrivateStep(model, torch.optim.SGD(model.parameters(), lr=1.0), clip_norm=C,
+                               noise_multiplier=SIGMA, expected_batch_size=B, num_examples=N,
+                               delta=1e-3, loss=_mixing_loss, seed=0,
+                               self_check={"enabled": False})
+    unchecked.step(inputs[:8], labels[:8])
+    assert _flat(model) != before

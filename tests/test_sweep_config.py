@@ -55,6 +55,8 @@ def _error(*overrides: str) -> str:
     (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",
       "tune.search_space={training.lr: {grid: [0.1, 0.2]}}"],
      "tune.search_space.training.lr: random_stopping draws every trial at random"),
+    (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",
+      "run.loggers=[csv]"], "run.loggers: random_stopping releases the best trial alone"),
     (["tune.random_stopping={mean_trials: 0.5}", "tune.selection=random_stopping"],
      "tune.random_stopping.mean_trials: must be >= 1, got 0.5"),
     (["budget.epsilon=0"], "budget.epsilon: must be > 0, got 0"),

@@ -172,6 +172,11 @@ def _check_tune(p: Pipeline) -> None:
     if p.tune.selection == "random_stopping" and p.budget.accountant != "rdp":
         raise FieldProblem("random_stopping is accounted with RDP only (Papernot & Steinke): "
                            "use budget.accountant: rdp", "tune.selection")
+    if p.tune.selection == "random_stopping" and p.run.loggers:
+        raise FieldProblem(
+            "random_stopping releases the best trial alone (Papernot & Steinke), and "
+            f"run.loggers {p.run.loggers} would log every trial: use selection: composition, "
+            "or no loggers", "run.loggers")
     validation = p.data.validation
     if validation is None:
         raise FieldProblem("tune.metric validation_accuracy needs data.validation "

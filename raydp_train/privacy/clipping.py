@@ -33,6 +33,7 @@ from raydp_train.privacy.covered_layers import (
     own_trainable,
     refuse_batch_second,
     refuse_compiled,
+    refuse_state_from_the_batch,
     slot_views,
 )
 from raydp_train.privacy.layer_recording import LayerRecorder
@@ -69,6 +70,7 @@ class PerExampleClipper(LayerRecorder):
         self.clip_norm = float(clip_norm)
         refuse_batch_second(model)
         refuse_compiled(model)
+        refuse_state_from_the_batch(model)
         self.layers = covered_layers(model, rules or {})
         self.ties = find_ties(self.layers)
         # A tied parameter is owned by several layers but trained (and slotted) once.

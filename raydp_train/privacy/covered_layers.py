@@ -1,11 +1,13 @@
 """Which modules the clipping engine covers, with which rule, and where their gradients go
 (ARCHITECTURE.md §2.3): every module that owns a trained parameter gets a rule or is refused
 by name, before anything runs; so are models the hooks cannot follow (a compiled model,
-batch-second layers, a re-parametrized weight)."""
+batch-second layers, a re-parametrized weight) and modules whose state comes from the batch."""
 
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from raydp_train.privacy.rule_registry import (
     Rule,
@@ -47,6 +49,28 @@ def refuse_compiled(model: nn.Module) -> None:
                 "torch.compile; per-example clipping hooks every trained layer and needs the "
                 "uncompiled model: pass the module itself, not its compiled form"
             )
+
+
+def refuse_state_from_the_batch(model: nn.Module) -> None:
+    """Modules that change what an example contributes, or the saved model, from the batch
+    itself, outside the clipped sum and its noise, are refused trained or frozen: BatchNorm
+    normalizes each example by the batch's statistics (one example moves every other's
+    gradient) and, like InstanceNorm with running statistics, keeps un-noised running means
+    of the data in the model; an Embedding with max_norm rescales, in place, the rows of the
+    tokens a batch holds."""
+    for name, module in model.named_modules():
+        label = f"module '{name or '<root>'}' ({type(module).__name__})"
+        if isinstance(module, _BatchNorm) or (
+                isinstance(module, _InstanceNorm) and module.track_running_stats):
+            raise UnsupportedLayerError(
+                f"{label} normalizes with statistics of the batch or keeps running statistics "
+                "of the data, outside clipping and noise, trained or frozen: replace it with "
+                "GroupNorm or LayerNorm, which normalize each example by itself")
+        if isinstance(module, nn.Embedding) and module.max_norm is not None:
+            raise UnsupportedLayerError(
+                f"{label} has max_norm={module.max_norm}: it rescales, in place, the rows of "
+                "the tokens each batch holds, outside clipping and noise: build it without "
+                "max_norm")
 
 
 def covered_layers(model: nn.Module, rules: dict) -> list:

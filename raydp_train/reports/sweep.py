@@ -54,8 +54,8 @@ def results_table(trials: list[dict], params: list[str], metric: str) -> str:
 
 def privacy_text(privacy: dict) -> str:
     how = ("composition of every trial's events" if privacy["selection"] == "composition"
-           else f"random stopping (Papernot & Steinke), {privacy.get('trials_drawn')} trial(s) "
-                "drawn")
+           else "random stopping (Papernot & Steinke): the best trial alone released, the "
+                "number of trials kept secret")
     return (f"\nprivacy of the whole sweep: epsilon {privacy['epsilon']:.4f} at delta "
             f"{privacy['delta']:g} ({privacy['accountant'].upper()}, {how})\n"
             f"budget '{privacy['budget']}': epsilon {privacy['budget_epsilon_counted']:.4f} of "

@@ -17,6 +17,7 @@ The selection metric is validation accuracy, on rows declared public or released
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -28,6 +29,7 @@ from raydp_train.checks.preflight import check_pipeline
 from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
 from raydp_train.config.sweep import WHOLE_NUMBERS
 from raydp_train.runs.worker_errors import user_error_in
+from raydp_train.sweeps.best_alone import best_alone
 from raydp_train.sweeps.spending import (
     check_search_space,
     draw_trial_count_of,
@@ -85,22 +87,25 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
         num_samples = draw_trial_count_of(pipeline)
         spend = random_stopping_spend(pipeline, plan)
         decision = budget.reserve(sweep_id, spend)
-        privacy.update(trials_drawn=num_samples,
-                       worst_case_noise_multiplier=spend.noise_multiplier)
+        privacy.update(worst_case_noise_multiplier=spend.noise_multiplier,
+                       released="the best trial only")
         if not decision.granted:
             on_line(f"STOPPED before any trial: {decision.reason}")
             return _finish(directory, pipeline, [], None, budget, privacy, dataset, on_line,
                            None)
         trial_budget = None  # the sweep's one reservation covers every trial
-        on_line(f"random stopping: {num_samples} trial(s) drawn (mean "
+        on_line(f"random stopping: a random number of trials (mean "
                 f"{config.random_stopping.mean_trials:g}), reserved epsilon "
-                f"{decision.epsilon_after:.4f} for the whole sweep")
+                f"{decision.epsilon_after:.4f} for the whole sweep; only the best trial is "
+                "released (ARCHITECTURE.md §2.7)")
     tuner = _tuner(pipeline, directory, trial_budget, num_samples, on_line)
     grid = tuner.fit() if num_samples > 0 else None
-    if trial_budget is None:  # the random-stopping sweep is over: its reservation is spent
-        budget.settle(decision, spend.steps, spend.releases)
     trials = [_trial_row(result, config) for result in grid or []]
     best = _best(trials, config)
+    if trial_budget is None:  # the random-stopping sweep is over: its reservation is spent
+        budget.settle(decision, spend.steps, spend.releases)
+        trials, grid = best_alone(directory, trials, best, MODELS, grid, on_line), None
+        best = trials[0] if trials else None
     return _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line, grid)
 
 
@@ -126,9 +131,11 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
             # The next trial runs in a finished one's process: no new process, no imports
             # (digits trials: ~5 s each before). Each trial builds all it uses anew.
             reuse_actors=True),
+        # Under random stopping no trial's progress is shown: it would release every trial.
         run_config=tune.RunConfig(storage_path=str(directory.resolve()), name="trials", verbose=0,
-                                  callbacks=[_progress_printer(on_line, pipeline),
-                                             *tune_callbacks(pipeline)]),  # run.loggers
+                                  callbacks=[] if trial_budget is None else [
+                                      _progress_printer(on_line, pipeline),
+                                      *tune_callbacks(pipeline)]),  # run.loggers
     )
 
 
@@ -137,6 +144,9 @@ def _keep_best_model(directory: Path, best: dict) -> Path | None:
     saved, kept = directory / MODELS / best["trial"], None
     if best["trial"] and saved.is_dir():
         kept = saved.rename(directory / "best_model")
+        record = json.loads((kept / "record.json").read_text())
+        record["written_to"]["run_dir"] = str(kept.resolve())  # where it is now
+        (kept / "record.json").write_text(json.dumps(record, indent=2))
     shutil.rmtree(directory / MODELS, ignore_errors=True)
     return kept
 
@@ -242,7 +252,9 @@ def _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line
     privacy.update(
         epsilon=budget.epsilon_of(directory.name), delta=status["delta"],
         accountant=status["accountant"], budget_epsilon=status["epsilon"],
-        budget_epsilon_counted=status["epsilon_counted"], trials=len(trials))
+        budget_epsilon_counted=status["epsilon_counted"])
+    if pipeline.tune.selection == "composition":  # random stopping keeps its count secret
+        privacy["trials"] = len(trials)
     if best is not None:
         overrides = [f"{k}={best[k]}" for k in pipeline.tune.search_space]
         best_pipeline = pipeline_from_dict(pipeline.model_dump(mode="json"), overrides)

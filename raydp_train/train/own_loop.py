@@ -19,17 +19,20 @@ all-reduces the clipped, noised sum itself.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Self
 
 import torch
 from torch import Tensor, nn
 
+from raydp_train.config.privacy import SelfCheckConfig
 from raydp_train.errors import UserError
 from raydp_train.privacy.mechanism import DpSgd
 from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sampling import poisson_sample, sampling_rate
 from raydp_train.train.charges import Charged, ChargeRefused, MemoryCharges, RunAccount
+from raydp_train.train.engine_checks import EngineChecks
 from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.step import cross_entropy_loss, private_step
 from raydp_train.train.stops import StopReason
@@ -49,12 +52,16 @@ class PrivateStep:
                  num_examples: int, delta: float, budget=None, owner: str = "own-loop",
                  steps_per_charge: int | None = None, accountant: str = "rdp",
                  loss: Callable[[nn.Module, Tensor, Tensor], Tensor] = cross_entropy_loss,
-                 max_physical_batch: int = 256, seed: int | None = None):
+                 max_physical_batch: int = 256, seed: int | None = None,
+                 self_check: dict | None = None):
         """`num_examples`: N of the WHOLE training set (every worker's shard); `budget`: a
         `rt.open_budget(...)` handle made on the driver (None: nothing reserved, the steps
         are only counted); `steps_per_charge`: steps reserved at a time (default one epoch,
         N // B); `loss(model, features, labels)`: per-example losses [B]; `seed`: a
-        reproducible run, for tests only."""
+        reproducible run, for tests only; `self_check`: privacy.self_check's fields (the
+        engine against one backward per example on the first step and a random 1% of the
+        others, as in a pipeline run: a loss or model that mixes examples is refused before
+        its noisy gradient is released)."""
         _check_arguments(clip_norm, noise_multiplier, expected_batch_size, num_examples, delta,
                          max_physical_batch)
         self.model, self.optimizer, self.loss = model, optimizer, loss
@@ -75,6 +82,10 @@ class PrivateStep:
         self._sampling, _ = make_generator(None if seed is None else seed + 1 + self.rank)
         # Rank 0 alone draws: ONE draw of std sigma*C per step for the whole world.
         self._noise_std = noise_multiplier * clip_norm if self.rank == 0 else 0.0
+        shared_seed = self._from_rank_0(int.from_bytes(os.urandom(8), "little")
+                                        if seed is None else seed)
+        self._checks = EngineChecks(SelfCheckConfig(**(self_check or {})), shared_seed,
+                                    self._gather)
 
     def sample(self, local_rows: int) -> Tensor:
         """Indices of this worker's rows in the next logical batch: each of its `local_rows`
@@ -92,7 +103,7 @@ class PrivateStep:
                       labels.split(self.max_physical_batch), strict=True)
         stats = private_step(self.model, self.clipper, self.optimizer, batches, self.loss,
                              self._noise_std, self.plan.expected_batch_size, self._noise,
-                             self._all_reduce_sum)
+                             self._all_reduce_sum, engine_checks=self._checks)
         self.steps_done += 1
         return stats.loss_sum
 
@@ -136,6 +147,13 @@ class PrivateStep:
     def _all_reduce_sum(self, tensor: Tensor) -> None:
         if self.world_size > 1:
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+
+    def _gather(self, value) -> list:
+        if self.world_size == 1:
+            return [value]
+        values = [None] * self.world_size
+        torch.distributed.all_gather_object(values, value)
+        return values
 
     def _from_rank_0(self, value):
         if self.world_size == 1:
