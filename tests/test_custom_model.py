@@ -46,6 +46,9 @@ BAD_FACTORIES = {
     "wrong classes": ("models/user_models.py:three_classes", "to [B, 10] outputs"),
     "raises": ("models/user_models.py:broken", "raised RuntimeError: my bug"),
     "batchnorm": ("models/user_models.py:with_batchnorm", "BatchNorm2d"),
+    # Frozen, a BatchNorm still normalizes each example by its batch in training.
+    "frozen batchnorm": ("models/user_models.py:with_frozen_batchnorm",
+                         "module '1' (BatchNorm2d) normalizes with statistics of the batch"),
 }
 USER_MODELS = """\
 import torch
@@ -62,6 +65,10 @@ def broken():
 
 def with_batchnorm():
     return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(72, 10))
+
+def with_frozen_batchnorm():
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2).requires_grad_(False),
+                         nn.Flatten(), nn.Linear(72, 10))
 """
 
 
