@@ -284,6 +284,14 @@ def test_a_module_whose_state_comes_from_the_batch_is_refused_trained_or_frozen(
         PerExampleClipper(model, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_trained_parameters_are_refused(dtype):
+    """In bfloat16 the per-example norms came out 0.7% off (a clipped example could pass C):
+    the parameters stay float32 and only the forward may be bf16 (training.precision)."""
+    with pytest.raises(ValueError, match=f"trainable parameters in {dtype}: .*training.precision"):
+        PerExampleClipper(nn.Sequential(nn.Linear(4, 2)).to(dtype), 1.0)
+
+
 @pytest.mark.parametrize("trained", [True, False])
 def test_an_embedding_with_max_norm_is_refused(trained):
     """Its forward renormalizes, in place, the rows of the tokens the batch holds: whether a
