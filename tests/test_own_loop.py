@@ -189,6 +189,8 @@ def test_a_loss_that_mixes_examples_is_refused_before_the_first_noisy_step():
         private.step(inputs[:8], labels[:8])
     assert _flat(model) == before and private.steps_done == 0
     private.finish()
+    with pytest.raises(rt.UserError, match=r"PrivateStep.step after finish\(\)"):
+        private.step(inputs[:8], labels[:8])
     # The same loss with the check turned off steps (privacy.self_check.enabled: false).
     unchecked = rt.PrivateStep(model, torch.optim.SGD(model.parameters(), lr=1.0), clip_norm=C,
                                noise_multiplier=SIGMA, expected_batch_size=B, num_examples=N,

@@ -72,7 +72,7 @@ class PrivateStep:
                                 False, clip_norm, delta, accountant)
         self.steps_per_charge = steps_per_charge or max(1, num_examples // expected_batch_size)
         self.account = RunAccount(MemoryCharges(), budget, owner, self.plan)
-        self.steps_done = 0
+        self.steps_done, self._finished = 0, False
         self._granted = 0  # steps reserved so far; steps_done never passes it
         self._last_chunk = 0  # steps of the newest reservation
         self._broadcast_parameters()
@@ -97,6 +97,9 @@ class PrivateStep:
         the one noise draw (rank 0), the all-reduce, / B, optimizer.step(). Reserves the next
         steps first when those granted are used up. Returns the rows' summed loss (local, not
         released)."""
+        if self._finished:
+            raise PrivateStepError("PrivateStep.step after finish(): its reserved steps were "
+                                   "settled and its engine detached; make a new PrivateStep")
         if self.steps_done == self._granted:
             self._reserve()
         batches = zip(features.split(self.max_physical_batch),
@@ -116,6 +119,7 @@ class PrivateStep:
         used_of_last = self.steps_done - (self._granted - self._last_chunk)
         self.account.settle(Charged(used_of_last))
         self.clipper.close()
+        self._finished = True
 
     def __enter__(self) -> Self:
         return self
