@@ -41,7 +41,7 @@ def _remove_tune_staging(trial_folders: set[str]) -> None:
     them to the sweep directory; this sweep's is the one holding its trials' folders."""
     import ray
 
-    if not ray.is_initialized():  # Tune ran on it, so this is never the case; never start one
+    if not ray.is_initialized():  # ray.init below would start one, with nothing of ours
         return
     context = ray.init(ignore_reinit_error=True)  # connected already: its session, nothing new
     session = getattr(context, "address_info", {}).get("session_dir")
