@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from raydp_train.commands.console import epoch_printer, progress_printer
-from raydp_train.config.pipeline import Pipeline, PipelineError, dump_pipeline
+from raydp_train.config.pipeline import Pipeline, PipelineError
 from raydp_train.reports.trackers import check_loggers
 from raydp_train.train.stops import StopReason
 
@@ -139,7 +139,7 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
         on_epoch(row)
 
     try:
-        with driving(run_dir):
+        with driving(run_dir, source):
             result = fit(pipeline, plan, run_dir, on_epoch=each_epoch, budget=budget,
                          owner=run_dir.name, dataset=dataset, on_progress=on_progress)
     except RunInterrupted:
@@ -170,7 +170,7 @@ def _run_to_resume(pipeline: Pipeline, resume, new: bool, source: str, rerun_cho
                    on_line) -> Path | None:
     """The run directory `resume` names, else this pipeline's unfinished run (unless `new`),
     else None: a new run."""
-    from raydp_train.runs.reruns import run_to_continue
+    from raydp_train.runs.reruns import resumed_run_dir, run_to_continue
 
     if resume:
         return resumed_run_dir(resume, pipeline)
@@ -259,17 +259,6 @@ def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source:
     pipeline = with_ray_datasets(pipeline, datasets, source)
     warn_if_not_shared(pipeline, address)
     return pipeline, *check_pipeline(pipeline, for_training=True)
-
-
-def resumed_run_dir(run_dir: str | Path, pipeline: Pipeline) -> Path:
-    """The run directory to resume, after checking it belongs to this very pipeline."""
-    saved = Path(run_dir) / "pipeline.yaml"
-    if not saved.is_file():
-        raise PipelineError(str(run_dir), ["--resume: not a run directory (no pipeline.yaml)"])
-    if saved.read_text() != dump_pipeline(pipeline):
-        raise PipelineError(
-            str(run_dir), [f"--resume: {saved} is a different pipeline; resume with the same one"])
-    return Path(run_dir)
 
 
 def _python_choices(newest: Path) -> str:

@@ -48,7 +48,7 @@ def test_parquet_feature_columns_with_separate_test_file(tmp_path):
     train = write(tmp_path / "train.parquet", a=[0.0, 1.0, 2.0], b=[1, 2, 3], label=[0, 1, 2])
     test = write(tmp_path / "test.parquet", a=[5.0], b=[6], label=[1])
     source = {"source": "parquet", "path": train, "test_path": test, "feature_columns": ["a", "b"]}
-    data = load_data(config(source).data)
+    data = load_data(config(source).data, num_classes=3)
     assert data.train_features.tolist() == [[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]]
     assert data.test_labels.tolist() == [1] and data.num_classes == 3
 
@@ -63,7 +63,7 @@ def test_normalize_uses_the_public_statistics_it_is_given(tmp_path):
               "feature_columns": ["income", "age"], "normalize": {"income": [50_000, 10_000]}}
     with warnings.catch_warnings():
         warnings.simplefilter("error", FeatureScaleWarning)  # age stays raw, but is small
-        data = load_data(config(source).data)
+        data = load_data(config(source).data, num_classes=2)
     assert data.train_features.tolist() == [[-1.0, 20.0], [0.5, 30.0], [2.0, 40.0]]
     assert data.test_features.tolist() == [[0.5, 50.0]]  # the same public statistics
 
@@ -75,7 +75,7 @@ def test_raw_features_far_from_unit_scale_get_a_warning_naming_the_column(tmp_pa
                   age=[20.0, 30.0, 40.0, 50.0], label=[0, 1, 0, 1])
     source = {"source": "parquet", "path": train, "feature_columns": ["income", "age"]}
     with pytest.warns(FeatureScaleWarning, match=r"'income'.*data.normalize: \{income"):
-        load_data(config(source).data)
+        load_data(config(source).data, num_classes=2)
 
 
 @pytest.mark.parametrize(("normalize", "message"), [
@@ -91,13 +91,16 @@ def test_bad_normalize_is_refused_naming_the_field(normalize, message):
         config(source)
 
 
-def test_labels_that_skip_a_class_are_refused(tmp_path):
+def test_the_classes_of_private_labels_are_given_never_read_from_them(tmp_path):
+    """1 + the largest label would be the model's width: removing the one row of label 2
+    would change the released model's shape."""
     train = write(tmp_path / "t.parquet", a=[0.0, 1.0, 2.0], label=[1, 2, 1])
     source = {"source": "parquet", "path": train, "feature_columns": ["a"]}
-    with pytest.raises(DataError, match=r"labels take the values \[1, 2\], so 3 classes .*"
-                                        r"\[0\] never occur.*data.label_names"):
+    with pytest.raises(DataError, match=r"model.num_classes: not set, nor data.label_names: .*"
+                                        r"private labels"):
         load_data(config(source).data)
-    assert load_data(config(source).data, num_classes=3).num_classes == 3  # meant: allowed
+    assert load_data(config(source).data, num_classes=3).num_classes == 3
+    assert load_data(config({**source, "label_names": ["a", "b", "c"]}).data).num_classes == 3
 
 
 def test_label_names_map_string_labels_and_fix_the_class_count(tmp_path):
@@ -127,7 +130,8 @@ def test_string_labels_as_pandas_writes_them_map_too(tmp_path):
 def test_parquet_tensor_column_keeps_the_tensor_shape(tmp_path):
     images = [np.full((1, 2, 2), i).tolist() for i in range(10)]
     path = write(tmp_path / "x.parquet", pixels=images, label=[i % 2 for i in range(10)])
-    data = load_data(config({"source": "parquet", "path": path, "tensor_column": "pixels"}).data)
+    data = load_data(config({"source": "parquet", "path": path, "tensor_column": "pixels"}).data,
+                     num_classes=2)
     assert data.feature_shape == (1, 2, 2) and data.num_train == 8
 
 

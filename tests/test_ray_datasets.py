@@ -24,7 +24,7 @@ def rows(count: int, seed: int) -> pa.Table:
 
 def pipeline_dict(tmp_path, data: dict) -> dict:
     return {"name": "tables", "data": {"feature_columns": ["a", "b", "c"], **data},
-            "model": {"kind": "logistic"},
+            "model": {"kind": "logistic", "num_classes": 2},
             "privacy": {"noise_multiplier": 1.0, "clip_norm": 1.0, "delta": 1e-4},
             "training": {"epochs": 2, "batch_size": 40, "workers": 2},
             "run": {"seed": 7, "output_dir": str(tmp_path / "runs")}}

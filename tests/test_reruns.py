@@ -5,7 +5,6 @@ tests/test_faults.py.)"""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,8 +16,10 @@ from raydp_train.reports.run import new_run_dir
 from raydp_train.runs.reruns import (
     DRIVER,
     RECORD,
+    _live_driver,
     command_choices,
     driving,
+    resumed_run_dir,
     run_to_continue,
     unfinished_runs,
 )
@@ -57,12 +58,23 @@ def test_refuse_names_both_choices(tmp_path):
     assert len(message.splitlines()) == 1
 
 
+DRIVES = ("import sys, time, pathlib\nfrom raydp_train.runs.reruns import driving\n"
+          "with driving(pathlib.Path(sys.argv[1])):\n    print('driving', flush=True)\n"
+          "    time.sleep(60)\n")
+
+
+def _driver_of(run_dir) -> subprocess.Popen:
+    """Another process driving `run_dir`, as `raydp-train run` does, until killed."""
+    driver = subprocess.Popen([sys.executable, "-c", DRIVES, str(run_dir)],
+                              stdout=subprocess.PIPE, text=True)
+    assert driver.stdout.readline() == "driving\n"
+    return driver
+
+
 def test_a_run_whose_driver_still_runs_is_never_taken_over(pipeline):
     run_dir = new_run_dir(pipeline)
-    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    driver = _driver_of(run_dir)
     try:
-        (run_dir / DRIVER).write_text(json.dumps({"host": socket.gethostname(),
-                                                  "pid": driver.pid}))
         with pytest.raises(PipelineError, match=f"pid {driver.pid} .* may still be running"):
             run_to_continue(pipeline, QUICKSTART, CHOICES)
     finally:
@@ -79,7 +91,33 @@ def test_the_driver_marker_goes_however_the_run_ends(pipeline):
     with pytest.raises(KeyboardInterrupt), driving(run_dir):
         assert json.loads((run_dir / DRIVER).read_text())["pid"] == os.getpid()
         raise KeyboardInterrupt
-    assert not (run_dir / DRIVER).exists()
+    assert (run_dir / DRIVER).read_text() == "" and not _live_driver(run_dir)
+
+
+def test_a_second_driver_on_a_run_directory_is_refused_before_it_charges(pipeline):
+    """The mark is taken exclusively: a driver that passed run_to_continue just before the
+    first one marked the directory (or came with --resume) is refused at the mark. Two
+    drivers would each settle the other's unsettled steps as a dead attempt's, short."""
+    run_dir = new_run_dir(pipeline)
+    first = _driver_of(run_dir)
+    try:
+        theirs = (run_dir / DRIVER).read_text()
+        with (pytest.raises(PipelineError, match=f"pid {first.pid} .* may still be running"),
+              driving(run_dir)):
+            pytest.fail("a second driver ran")
+        assert (run_dir / DRIVER).read_text() == theirs  # left to the live driver
+    finally:
+        first.kill()  # as kill -9: its mark stays, its lock goes
+        first.wait()
+    with driving(run_dir):  # its driver is dead: the run is taken over
+        assert json.loads((run_dir / DRIVER).read_text())["pid"] == os.getpid()
+
+
+def test_a_finished_run_is_not_resumed(pipeline):
+    run_dir = new_run_dir(pipeline)
+    (run_dir / "record.json").write_text("{}")
+    with pytest.raises(PipelineError, match="--resume: this run has finished"):
+        resumed_run_dir(run_dir, pipeline)
 
 
 def test_new_and_resume_cannot_both_be_given(capsys):

@@ -9,7 +9,6 @@ torch is imported inside the methods that need it: validate reads labels without
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import numpy as np
@@ -68,10 +67,11 @@ class ClassIds(LabelKind):
         return numbers_as_numpy(column).astype(np.int64)
 
     def width(self, splits, given, field, config=None):
-        """K: `data.label_names`' length, the model's field, or 1 + the largest label,
-        refusing inferred classes that no example has (labels {1, 2} would make a 3-class
-        model); every label must lie in 0..K-1."""
-        classes = _classes(getattr(config, "label_names", None), given, field, splits)
+        """K: `data.label_names`' length or the model's field; read from the labels (1 + the
+        largest) only for built-in data, whose classes are public. Every label must lie in
+        0..K-1."""
+        classes = _classes(getattr(config, "label_names", None), given, field, splits,
+                           getattr(config, "source", None))
         for split, values in splits:
             if values.min() < 0 or values.max() >= classes:
                 raise DataError(
@@ -251,7 +251,12 @@ def _is_string(kind: pa.DataType) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
-def _classes(names: list[str] | None, given: int | None, field: str, splits: list) -> int:
+# Built-in data whose classes are known before any row is read; a user's rows are private.
+PUBLIC_SOURCES = ("synthetic", "sklearn_digits")
+
+
+def _classes(names: list[str] | None, given: int | None, field: str, splits: list,
+             source: str | None = None) -> int:
     if names is not None:
         if given is not None and given != len(names):
             raise DataError(f"{field}: {given} classes, but data.label_names names "
@@ -259,13 +264,10 @@ def _classes(names: list[str] | None, given: int | None, field: str, splits: lis
         return len(names)
     if given is not None:
         return given
-    seen = set(np.unique(np.concatenate([values for _, values in splits])).tolist())
-    classes = max(int(max(seen)) + 1, 2)
-    # The first missing labels, found without building a range as large as the largest label.
-    never = list(itertools.islice((k for k in range(classes - 1) if k not in seen), 10))
-    if min(seen) >= 0 and never:
+    if source not in PUBLIC_SOURCES:
         raise DataError(
-            f"data: labels take the values {sorted(seen)[:10]}, so {classes} classes would be "
-            f"inferred and {never[:10]} never occur: labels must be 0..K-1; relabel them, give "
-            f"data.label_names, or set {field} if those classes are meant")
-    return classes
+            f"{field}: not set, nor data.label_names: the number of classes would be read "
+            "from the private labels (1 + the largest), and the model's shape would reveal "
+            f"it, outside epsilon; set {field}, or name the classes in data.label_names")
+    seen = np.concatenate([values for _, values in splits])
+    return max(int(seen.max()) + 1, 2)

@@ -47,7 +47,9 @@ def poisson_sample(
     """
     import torch
 
-    included = torch.rand(num_examples, generator=generator) < sampling_rate
+    # float64: float32 uniforms lie on a 2^-24 grid, which rounds a small q up (q = 1e-7
+    # became 1.19e-7), more often than the accountant was told.
+    included = torch.rand(num_examples, generator=generator, dtype=torch.float64) < sampling_rate
     return torch.nonzero(included, as_tuple=True)[0].to(torch.int64)
 
 

@@ -6,12 +6,14 @@ train on the same data again from scratch and spend a second time: with
 `run.on_interrupted: resume` (the default) the next identical command continues the newest
 such run from its last checkpoint, as `--resume` would, and its steps are charged to the same
 owner; with `refuse` it stops and names both choices (`--resume DIR`, `--new`). `--new` always
-starts another run. A run whose driver is still running (its `driver.json` names a live
-process on this host, or another host) is never taken over.
+starts another run. A run whose driver is still running (it holds the lock on `driver.json`,
+which the system drops when it dies; or the file names another host, which cannot be asked)
+is never taken over, by the same command or by `--resume`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -48,6 +50,20 @@ def run_to_continue(pipeline: Pipeline, source: str,
     return newest
 
 
+def resumed_run_dir(run_dir: str | Path, pipeline: Pipeline) -> Path:
+    """The run directory to resume, after checking it belongs to this very pipeline."""
+    saved = Path(run_dir) / "pipeline.yaml"
+    if not saved.is_file():
+        raise PipelineError(str(run_dir), ["--resume: not a run directory (no pipeline.yaml)"])
+    if saved.read_text() != dump_pipeline(pipeline):
+        raise PipelineError(
+            str(run_dir), [f"--resume: {saved} is a different pipeline; resume with the same one"])
+    if (Path(run_dir) / RECORD).exists():
+        raise PipelineError(str(run_dir), [("--resume: this run has finished (record.json); "
+                                           "start another with --new")])
+    return Path(run_dir)
+
+
 def command_choices(same_command: str) -> Callable[[Path], str]:
     """The two choices, for a user who typed `same_command`."""
     return lambda newest: (f"continue it with: {same_command} --resume {newest}, or start "
@@ -73,33 +89,58 @@ def unfinished_runs(pipeline: Pipeline) -> list[Path]:
 
 
 @contextmanager
-def driving(run_dir: Path):
-    """Mark `run_dir` as worked on by this driver until the block ends (however it ends)."""
-    marker = run_dir / DRIVER
-    marker.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+def driving(run_dir: Path, source: str = "<pipeline>"):
+    """Mark `run_dir` as worked on by this driver until the block ends (however it ends).
+    The mark is an exclusive lock that the system drops when the driver dies, however it dies:
+    two drivers on one run directory would each settle the other's unsettled steps as a dead
+    attempt's, short (charges.py)."""
+    marker = os.open(run_dir / DRIVER, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        yield
+        driver = _other_driver(marker)
+        if driver:
+            raise PipelineError(source, [(f"run: {run_dir} has a driver ({driver}) that may "
+                                          "still be running: wait for it, or start another "
+                                          "run (--new)")])
+        _rewrite(marker, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        try:
+            yield
+        finally:
+            _rewrite(marker, "")  # ended: nobody drives it
     finally:
-        marker.unlink(missing_ok=True)
+        os.close(marker)  # drops the lock
+
+
+def _other_driver(marker: int) -> str:
+    """'pid N on HOST' of another driver that holds, or may hold, the run; else '' and the
+    lock is this process's. Another host's driver cannot be asked: never taken over."""
+    try:
+        fcntl.flock(marker, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _named(marker) or "another process"
+    driver = _named(marker)
+    return driver if driver and not driver.endswith(f" on {socket.gethostname()}") else ""
+
+
+def _named(marker: int) -> str:
+    os.lseek(marker, 0, os.SEEK_SET)
+    try:
+        driver = json.loads(os.read(marker, 4096) or b"null")
+        return f"pid {int(driver['pid'])} on {driver['host']}"
+    except (ValueError, KeyError, TypeError):
+        return ""  # empty (ended) or damaged
+
+
+def _rewrite(marker: int, text: str) -> None:
+    os.ftruncate(marker, 0)
+    os.pwrite(marker, text.encode(), 0)
 
 
 def _live_driver(run_dir: Path) -> str:
     """'pid N on HOST' if the run's driver may still be running, else ''."""
+    if not (run_dir / DRIVER).exists():
+        return ""
+    marker = os.open(run_dir / DRIVER, os.O_RDWR)
     try:
-        driver = json.loads((run_dir / DRIVER).read_text())
-        host, pid = str(driver["host"]), int(driver["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""  # no marker (ended, or killed before writing one) or a damaged one
-    if host == socket.gethostname() and not _alive(pid):
-        return ""  # killed (kill -9, a crash): its marker stayed behind
-    return f"pid {pid} on {host}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid != os.getpid()
+        return _other_driver(marker)
+    finally:
+        os.close(marker)  # drops the lock if it was free
