@@ -179,7 +179,7 @@ def test_full_disk_refuses_the_reservation(tmp_path, monkeypatch):
     assert budget.status() == before
     monkeypatch.undo()
     assert budget.ledger.rows() == rows_before  # no fragment, not even a partial one
-    assert not list((tmp_path / "b").glob(".*"))  # nor a temporary file left behind
+    assert not list((tmp_path / "b").glob(".*.tmp"))  # nor a temporary file left behind
     assert budget.reserve("r1", "t", Spend(0.02, 1.0, 10)).granted  # works once there is space
 
 

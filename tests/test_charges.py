@@ -194,3 +194,24 @@ def test_a_refused_reservation_is_withdrawn_from_the_record(tmp_path):
         account.charge(Charged(20, 1), epoch=2, first_step=20)
     assert account.total() == (20, 1)
     assert len(list((tmp_path / "run" / "charges").glob("*.json"))) == 1
+
+
+def test_a_charge_is_on_disk_with_its_name_before_it_is_charged(tmp_path, monkeypatch):
+    """Its record and the directory entry naming it are synced (a power cut must not lose a
+    charge whose steps the synced release log shows released, nor leave an empty record)."""
+    import os
+
+    from raydp_train.budget import exclusive_files
+
+    synced, fsync = [], os.fsync
+
+    def recording(descriptor):
+        synced.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        fsync(descriptor)
+
+    monkeypatch.setattr(exclusive_files.os, "fsync", recording)
+    ledger = ChargeLedger(str(tmp_path))
+    ledger.charge(Charged(5))
+    assert any(path.endswith(".json.tmp") for path in synced), synced  # the record
+    assert str(tmp_path / "charges") in synced, synced  # its name
+    assert ledger.total() == (5, 0)

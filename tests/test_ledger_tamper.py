@@ -138,3 +138,33 @@ def test_a_row_appended_while_the_ledger_is_read_is_not_taken_for_damage(ledger,
     monkeypatch.setattr(BudgetLedger, "_fragments", list_then_let_a_writer_in)
     assert len(BudgetLedger(str(ledger.parent), "b", create=False).rows()) == 7
     assert verify_ledger("b", str(ledger.parent))["fragments"] == 8
+
+
+def test_the_head_marker_never_moves_back_when_two_writers_race(tmp_path, monkeypatch):
+    """Writer A read the head and is about to name fragment 1 when writer B names fragment 2:
+    A must not move it back to 1, or losing the newest fragment would go unnoticed."""
+    import threading
+
+    import raydp_train.budget.ledger as ledger_module
+
+    ledger = ledger_module.BudgetLedger(str(tmp_path), "race", create=True)
+    a_is_writing, a_may_go = threading.Event(), threading.Event()
+    write = ledger_module.write_durably
+
+    def a_pauses(path, data):
+        if b'"seq": 1' in data:
+            a_is_writing.set()
+            a_may_go.wait(10)
+        write(path, data)
+
+    monkeypatch.setattr(ledger_module, "write_durably", a_pauses)
+    a = threading.Thread(target=ledger._move_head, args=(1, "a"))
+    a.start()
+    assert a_is_writing.wait(10)
+    b = threading.Thread(target=ledger._move_head, args=(2, "b"))
+    b.start()
+    b.join(0.5)  # B would be done by now, had it not waited its turn
+    a_may_go.set()
+    a.join(10)
+    b.join(10)
+    assert ledger.head() == (2, "b")

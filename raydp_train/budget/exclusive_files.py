@@ -5,7 +5,9 @@ hard-linked to its final name, which fails if the name exists."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+from contextlib import contextmanager
 
 # Errors of link(2) that mean "this filesystem has no hard links", not "the disk failed".
 NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
@@ -16,6 +18,13 @@ def write_durably(path: str, data: bytes) -> None:
         stream.write(data)
         stream.flush()
         os.fsync(stream.fileno())
+
+
+def replace_durably(temporary: str, final: str, data: bytes) -> None:
+    """`data` at `final`, on disk under its name (written to `temporary`, then renamed)."""
+    write_durably(temporary, data)
+    os.replace(temporary, final)
+    sync_directory(os.path.dirname(final))
 
 
 def link_exclusively(temporary: str, final: str) -> bool:
@@ -44,3 +53,15 @@ def remove_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+@contextmanager
+def held_lock(path: str):
+    """An exclusive lock on `path` (created if need be) for the block: writers that read a
+    file and then replace it take turns, so none replaces it with what it read before."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # drops the lock

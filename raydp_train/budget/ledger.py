@@ -48,6 +48,7 @@ from pyarrow import fs
 
 from raydp_train.budget.exclusive_files import (
     NO_HARD_LINKS,
+    held_lock,
     link_exclusively,
     remove_quietly,
     sync_directory,
@@ -218,16 +219,17 @@ class BudgetLedger:
 
     def _move_head(self, seq: int, digest: str) -> None:
         """Point the head marker at fragment `seq`, unless it already names a newer one (a
-        writer that lost the race to a newer commit must not move it back)."""
-        current = self.head()
-        if current is not None and current[0] >= seq:
-            return
+        writer that lost the race to a newer commit must not move it back: they take turns)."""
         path = f"{self.directory}/{HEAD}"
         temporary = f"{self.directory}/.{HEAD}.{uuid.uuid4().hex}.tmp"
         try:
-            write_durably(temporary, json.dumps({"seq": seq, "hash": digest}).encode())
-            os.replace(temporary, path)
-            sync_directory(self.directory)
+            with held_lock(f"{self.directory}/.{HEAD}.lock"):
+                current = self.head()
+                if current is not None and current[0] >= seq:
+                    return
+                write_durably(temporary, json.dumps({"seq": seq, "hash": digest}).encode())
+                os.replace(temporary, path)
+                sync_directory(self.directory)
         except OSError as error:
             raise LedgerError(f"cannot write the ledger's head marker {self.uri}/{HEAD}: "
                               f"{error}") from error

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from pyarrow import fs
 
+from raydp_train.budget.exclusive_files import replace_durably
 from raydp_train.budget.ledger import as_uri
 from raydp_train.train.stops import StopReason
 
@@ -84,9 +85,12 @@ class ChargeLedger:
         record = {"steps": charge.steps, "releases": charge.releases, "time": time.time(),
                   "attempt": self.attempt, "request": request, "epoch": epoch,
                   "first_step": first_step, "release_log": self._log is not None}
-        with self.filesystem.open_output_stream(temporary) as stream:
-            stream.write(json.dumps(record).encode())
-        self.filesystem.move(temporary, final)
+        if isinstance(self.filesystem, fs.LocalFileSystem):  # on disk before it is charged
+            replace_durably(temporary, final, json.dumps(record).encode())
+        else:
+            with self.filesystem.open_output_stream(temporary) as stream:
+                stream.write(json.dumps(record).encode())
+            self.filesystem.move(temporary, final)
         self._newest, self._total = final, before + charge
         return self._total
 
