@@ -48,7 +48,7 @@ def pipeline(paths: dict[str, str], output: Path):
             "source": "parquet", "path": paths["train"], "test_path": paths["test"],
             "feature_columns": [f"x{i}" for i in range(6)], "label_column": "y",
             "validation": {"path": paths["dev"], "private": False}},
-        "model": {"kind": "mlp", "hidden_sizes": [16]},
+        "model": {"kind": "mlp", "hidden_sizes": [16], "num_classes": 2},
         "privacy": {"noise_multiplier": 1.0, "clip_norm": 1.0, "delta": 1e-5},
         "training": {"epochs": 2, "batch_size": 100, "workers": 2},
         "run": {"seed": 3, "output_dir": str(output)}})
