@@ -206,15 +206,18 @@ CASES = {
         (numbers("numbers.parquet", validation={"path": "gone.parquet", "private": False}),),
         ("data.validation.path: parquet file not found: {cwd}/gone.parquet",)),
     # labels
-    "labels-that-skip-a-class": Case((numbers("skipping_labels.parquet"),), (
-        "data: labels take the values [1, 2], so 3 classes would be inferred", "[0] never occur")),
+    # 1 + the largest label would be the model's width: its shape would reveal private labels.
+    "classes-read-from-private-labels": Case((numbers("skipping_labels.parquet"),), (
+        ("model.num_classes: not set, nor data.label_names: the number of classes would be read "
+        "from the private labels"),)),
     "a-feature-beyond-float32": Case((numbers("huge_features.parquet"),), (
         "{data}/huge_features.parquet has features beyond float32's range", "rows [3]")),
     "damaged-parquet-pages": Case((numbers("damaged_pages.parquet"),), (
         "data.path: cannot read {data}/damaged_pages.parquet as parquet",)),
-    "a-label-of-2-to-the-62": Case((numbers("huge_labels.parquet"),), (  # no array that large
-        f"data: labels take the values [0, 1, {2**62}], so {2**62 + 1} classes would be inferred",
-        "[2, 3, 4, 5, 6, 7, 8, 9, 10, 11] never occur")),
+    "a-label-of-2-to-the-62": Case((numbers("huge_labels.parquet"), setting(
+        "model", {"kind": "logistic", "num_classes": 2})), (  # no array that large
+        f"labels must lie in [0, 1] for 2 classes (model.num_classes), got values in [0, {2**62}]",
+        )),
     "string-labels-without-label-names": Case((numbers("string_labels.parquet"),), (
         "data.label_column: column 'label' in {data}/string_labels.parquet is string",
         "(or give data.label_names)")),

@@ -56,7 +56,8 @@ def test_two_workers_train_save_and_generate(ray_session, tmp_path, capsys):
     # The saved model, reloaded by transformers alone, scores the whole test file as the two
     # workers' summed shards did.
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "model")
-    test = load_data(pipeline_from_dict(pipeline).data, tokenizer=resolve_name_or_path(MINILM))
+    parsed = pipeline_from_dict(pipeline)
+    test = load_data(parsed.data, parsed.model.num_classes, tokenizer=resolve_name_or_path(MINILM))
     total, count = token_loss_sum(CausalLM(reloaded), torch.as_tensor(test.test_features))
     assert last["test_loss"] == pytest.approx(total / count, rel=1e-5)
 

@@ -27,7 +27,7 @@ def numeric_pipeline(tmp_path):
         "data": {"source": "parquet", "path": str(tmp_path / "train.parquet"),
                  "test_path": str(tmp_path / "test.parquet"), "feature_columns": ["row", "x"],
                  "label_column": "label", "normalize": {"x": [100.0, 50.0]}},
-        "model": {"kind": "logistic"},
+        "model": {"kind": "logistic", "num_classes": 3},
         "privacy": {"noise_multiplier": 1.0},
     })
 
@@ -44,7 +44,7 @@ def shards_of(pipeline, world_size: int,
 def test_the_shards_partition_the_training_rows(ray_session, tmp_path):
     pipeline = numeric_pipeline(tmp_path)
     assert set(file_splits(pipeline.data)) == {"train", "test"}
-    expected = load_data(pipeline.data)  # the in-memory reader, the same standardization
+    expected = load_data(pipeline.data, 3)  # the in-memory reader, the same standardization
 
     (alone,) = shards_of(pipeline, 1)  # one worker holds every row, in file order
     np.testing.assert_array_equal(alone[0], expected.train_features)

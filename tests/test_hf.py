@@ -158,7 +158,8 @@ def test_fine_tuning_on_two_workers_saves_a_reloadable_model(mechanism, ray_sess
     assert len(record["training"]["training_rows_per_worker"]) == 2
     # threads_per_worker auto: the two workers on this machine share its cores.
     assert record["training"]["threads_per_worker"] == [max(1, available_cores() // 2)] * 2
-    test = load_data(pipeline_from_dict(pipeline).data, tokenizer=resolve_name_or_path(MINILM))
+    parsed = pipeline_from_dict(pipeline)
+    test = load_data(parsed.data, parsed.model.num_classes, tokenizer=resolve_name_or_path(MINILM))
     tokens = torch.as_tensor(test.test_features).long()
     with torch.no_grad():
         logits = reloaded(input_ids=tokens[:, 0], attention_mask=tokens[:, 1]).logits
