@@ -264,3 +264,15 @@ def test_the_ledger_records_the_mechanism_and_old_ledgers_replay(tmp_path):
     assert replay(rows).recomposed_epsilon() == pytest.approx(expected, rel=1e-9)
     with pytest.raises(BudgetError, match="mechanism must be one of dpsgd, lora, lsg, got none"):
         budget.reserve("c", "reference", Spend(0.02, 1.2, 200, mechanism="none"))
+
+
+def test_a_sweeps_epsilon_counts_its_own_trials_and_no_other_sweeps(tmp_path):
+    """Sweep `s` owns `s/<trial>`; a sweep started the same second is `s-1`: not its own."""
+    budget, spend = _accountant(tmp_path), Spend(0.02, 1.0, 10)
+    for owner in ("s/t1", "s/t2", "s-1/t1"):
+        assert budget.reserve(owner, owner, spend).granted
+    alone = _accountant(tmp_path / "alone", name="alone")
+    for owner in ("s/t1", "s/t2"):
+        alone.reserve(owner, owner, spend)
+    assert budget.epsilon_of("s") == pytest.approx(alone.epsilon_of("s"), rel=1e-12)
+    assert budget.epsilon_of("s") < budget.status()["epsilon_counted"]

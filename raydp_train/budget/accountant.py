@@ -97,10 +97,10 @@ class BudgetAccountant:
         self._commit(decide)
         return self.book.status()
 
-    def epsilon_of(self, owner_prefix: str) -> float:
+    def epsilon_of(self, owner: str) -> float:
         self._usable()
         self._catch_up()
-        return self.book.epsilon_of(owner_prefix)
+        return self.book.epsilon_of(owner)
 
     def _decide_open(self):
         """A new budget's terms are fixed by its first row, whichever writer commits it."""

@@ -97,8 +97,8 @@ class BudgetClient:
     def status(self) -> dict:
         return ray.get(self._actor().status.remote())
 
-    def epsilon_of(self, owner_prefix: str) -> float:
-        return ray.get(self._actor().epsilon_of.remote(owner_prefix))
+    def epsilon_of(self, owner: str) -> float:
+        return ray.get(self._actor().epsilon_of.remote(owner))
 
     def reset(self, note: str) -> dict:
         """Append a reset row (settled spending stops counting); returns the new status."""

@@ -159,10 +159,11 @@ class BudgetBook:
             "resets": self.resets,
         }
 
-    def epsilon_of(self, owner_prefix: str) -> float:
-        """Epsilon of what the owners starting with `owner_prefix` count (e.g. one sweep)."""
+    def epsilon_of(self, owner: str) -> float:
+        """Epsilon of what `owner` and its parts (`owner/...`: a sweep's trials) count; not
+        another owner whose name only starts alike (a sweep `X-1` beside `X`)."""
         events = [h.counted.dp_event() for h in self.reservations.values()
-                  if h.owner.startswith(owner_prefix)]
+                  if h.owner == owner or h.owner.startswith(f"{owner}/")]
         return composed_epsilon(events, self.terms.delta, self.terms.accountant) if events else 0.0
 
     def _open_reservations(self) -> dict[str, _Reservation]:
