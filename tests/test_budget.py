@@ -276,3 +276,14 @@ def test_a_sweeps_epsilon_counts_its_own_trials_and_no_other_sweeps(tmp_path):
         alone.reserve(owner, owner, spend)
     assert budget.epsilon_of("s") == pytest.approx(alone.epsilon_of("s"), rel=1e-12)
     assert budget.epsilon_of("s") < budget.status()["epsilon_counted"]
+
+
+def test_a_settle_retried_after_a_reset_is_answered_as_before(tmp_path):
+    """Ray may deliver a settle twice; a reset between the two removed the settled
+    reservation: the retry is answered from the first, without an error."""
+    budget = _accountant(tmp_path)
+    granted = budget.reserve("r1", "run", Spend(0.02, 1.0, 100))
+    budget.settle("s1", granted.reservation, 40)
+    budget.reset("reset-1", "new quarter")
+    budget.settle("s1", granted.reservation, 40)
+    assert budget.status()["steps_reserved"] == 0

@@ -60,8 +60,9 @@ class BudgetAccountant:
                                                releases_done)
 
         self._commit(decide)
-        row = self.book.answers[request_id]
-        return self.book.reservations[reservation].spend.steps - row["steps"]
+        row, held = self.book.answers[request_id], self.book.reservations.get(reservation)
+        # A retried settle may find the reservation reset away since: nothing to give back.
+        return 0 if held is None else held.spend.steps - row["steps"]
 
     def close_requests(self, closings: list[tuple[str, int, int]]) -> int:
         """Settle what a dead attempt of a run reserved: each (reserve request id, steps done,
