@@ -149,15 +149,15 @@ def test_the_head_marker_never_moves_back_when_two_writers_race(tmp_path, monkey
 
     ledger = ledger_module.BudgetLedger(str(tmp_path), "race", create=True)
     a_is_writing, a_may_go = threading.Event(), threading.Event()
-    write = ledger_module.write_durably
+    replace = ledger_module.replace_durably
 
-    def a_pauses(path, data):
+    def a_pauses(temporary, path, data):
         if b'"seq": 1' in data:
             a_is_writing.set()
             a_may_go.wait(10)
-        write(path, data)
+        replace(temporary, path, data)
 
-    monkeypatch.setattr(ledger_module, "write_durably", a_pauses)
+    monkeypatch.setattr(ledger_module, "replace_durably", a_pauses)
     a = threading.Thread(target=ledger._move_head, args=(1, "a"))
     a.start()
     assert a_is_writing.wait(10)

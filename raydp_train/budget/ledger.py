@@ -51,6 +51,7 @@ from raydp_train.budget.exclusive_files import (
     held_lock,
     link_exclusively,
     remove_quietly,
+    replace_durably,
     sync_directory,
     write_durably,
 )
@@ -227,9 +228,8 @@ class BudgetLedger:
                 current = self.head()
                 if current is not None and current[0] >= seq:
                     return
-                write_durably(temporary, json.dumps({"seq": seq, "hash": digest}).encode())
-                os.replace(temporary, path)
-                sync_directory(self.directory)
+                replace_durably(temporary, path,
+                                json.dumps({"seq": seq, "hash": digest}).encode())
         except OSError as error:
             raise LedgerError(f"cannot write the ledger's head marker {self.uri}/{HEAD}: "
                               f"{error}") from error
