@@ -112,3 +112,20 @@ def assert_exact_clipping_all_and_none(model, example_losses, inputs, norm_rtol=
     every, none = 0.5 * norms.min().item(), 2 * norms.max().item()
     assert_exact(model, example_losses, inputs, every, norm_rtol)  # every one clipped
     assert_exact(model, example_losses, inputs, none, norm_rtol)  # none clipped
+
+
+def leave_one_out(model, losses_of_rows, batch: int, clip_norm: float) -> list[float]:
+    """||S(D) - S(D without k)|| / C for every example k, S the engine's own clipped sum
+    (float64 differences of its buffer); `losses_of_rows(rows)` the losses of those rows."""
+    def engine_sum(rows):
+        clipper = PerExampleClipper(model, clip_norm)
+        try:
+            clipper.accumulate(lambda: losses_of_rows(rows))
+            return clipper.flat_grad.double().clone()
+        finally:
+            clipper.close()
+            for p in model.parameters():
+                p.grad = None
+    everything = engine_sum(list(range(batch)))
+    return [float((everything - engine_sum([i for i in range(batch) if i != k])).norm())
+            / clip_norm for k in range(batch)]

@@ -49,6 +49,9 @@ BAD_FACTORIES = {
     # Frozen, a BatchNorm still normalizes each example by its batch in training.
     "frozen batchnorm": ("models/user_models.py:with_frozen_batchnorm",
                          "module '1' (BatchNorm2d) normalizes with statistics of the batch"),
+    # Mixes the rows of a batch only in training mode: the preflight runs in training mode.
+    "mixes in training": ("models/user_models.py:mixes_in_training",
+                          "privacy.self_check: removing one example from the batch"),
 }
 USER_MODELS = """\
 import torch
@@ -69,6 +72,13 @@ def with_batchnorm():
 def with_frozen_batchnorm():
     return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2).requires_grad_(False),
                          nn.Flatten(), nn.Linear(72, 10))
+
+class Mixup(nn.Module):
+    def forward(self, h):
+        return 0.5 * h + 0.5 * h.roll(1, 0) if self.training else h
+
+def mixes_in_training():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), Mixup(), nn.Linear(16, 10))
 """
 
 
@@ -114,6 +124,27 @@ def test_a_loss_that_cannot_be_used_is_refused_by_name_before_anything_is_spent(
     message = message.format(tmp_path / "models" / "user_models.py")
     assert message in error and "Traceback" not in error, error
     assert len(error.strip().splitlines()) == 1
+
+
+def test_a_run_of_a_model_that_mixes_in_training_is_stopped_before_any_budget(ray_session,
+                                                                             tmp_path):
+    """The run's preflight (after Ray starts, before the budget is opened) runs the self-check
+    in training mode: the run stops with one line and nothing is reserved or written."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "user_models.py").write_text(USER_MODELS)
+    pipeline = tmp_path / "p.yaml"
+    ledger = tmp_path / "ledger"
+    pipeline.write_text(
+        EXAMPLE.read_text().replace("models/digits_cnn.py:small_cnn",
+                                    "models/user_models.py:mixes_in_training")
+        .replace("kwargs: {channels: 8, groups: 2}", "kwargs: {}")
+        .replace("  loss: models/digits_cnn.py:smoothed_cross_entropy", "")
+        + f"budget: {{name: mixing, epsilon: 10, delta: 1e-5, ledger: {ledger}}}\n"
+        + f"run: {{output_dir: {tmp_path / 'runs'}}}\n")
+    with pytest.raises(rt.UserError, match="privacy.self_check: removing one example"):
+        rt.run(rt.Pipeline.from_yaml(pipeline), on_line=None, on_epoch=None, on_progress=None)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    assert not ledger.exists() or not any(ledger.rglob("*.parquet"))
 
 
 def test_the_example_trains_on_two_workers_and_spends_what_dp_accounting_says(ray_session,

@@ -7,7 +7,6 @@ import torch
 from oracles import LAYOUTS, assert_exact_clipping_all_and_none, causal_lm_losses, padded_tokens
 from torch import nn
 
-from raydp_train.privacy import rms_norm_families
 from raydp_train.privacy.clipping import PerExampleClipper, UnsupportedLayerError
 from raydp_train.privacy.rms_norm_families import RMSNormFamilyRule
 from raydp_train.privacy.rule_registry import rule_for
@@ -87,12 +86,24 @@ def test_a_look_alike_that_computes_something_else_is_refused_by_name(look_alike
         PerExampleClipper(model, 1.0)
 
 
-def test_the_verdict_is_kept_per_class(monkeypatch):
-    checked = []
-    original = rms_norm_families._computes_rms_norm
-    monkeypatch.setattr(rms_norm_families, "_VERDICTS", {})
-    monkeypatch.setattr(rms_norm_families, "_computes_rms_norm",
-                        lambda module: checked.append(module) or original(module))
-    norm_class = transformers.models.llama.modeling_llama.LlamaRMSNorm
-    assert all(type(rule_for(norm_class(8))) is RMSNormFamilyRule for _ in range(3))
-    assert len(checked) == 1
+class GainedNorm(nn.Module):
+    """An RMSNorm whose instances carry a gain of their own: one class, two computations."""
+
+    def __init__(self, hidden: int, gain: float = 1.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon, self.gain = 1e-6, gain
+
+    def forward(self, x):
+        scale = torch.rsqrt(x.square().mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.gain * self.weight * x * scale
+
+
+def test_each_instance_is_checked_on_its_own():
+    """The class's first instance computes RMSNorm; a later one with another gain does not,
+    and must not inherit the first one's verdict."""
+    assert type(rule_for(GainedNorm(8))) is RMSNormFamilyRule
+    assert rule_for(GainedNorm(8, gain=2.0)) is None
+    model = nn.Sequential(nn.Linear(8, 8), GainedNorm(8), GainedNorm(8, gain=2.0))
+    with pytest.raises(UnsupportedLayerError, match=r"module '2' \(GainedNorm\)"):
+        PerExampleClipper(model, 1.0)

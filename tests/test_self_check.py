@@ -14,6 +14,7 @@ from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.privacy import covered_layers, tied_weights
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.mechanism import make_mechanism
+from raydp_train.privacy.parameter_uses import ParameterUseAudit
 from raydp_train.privacy.self_check import (
     SelfCheckError,
     compare_with_per_example,
@@ -59,10 +60,10 @@ REVERTED = {
         lambda mp: mp.setattr(tied_weights, "_cross_term", _old_cross_term),
         lambda: Stack(("bias",), 3), (8, 5), "hidden.0.bias"),
     "stray use in some micro-batches": (
-        lambda mp: mp.setattr(PerExampleClipper, "_refuse_stray_uses", lambda *a: None),
+        lambda mp: mp.setattr(ParameterUseAudit, "refuse", lambda *a: None),
         SomeMicroBatches, (8, 5), "a.weight"),
     "custom autograd.Function": (
-        lambda mp: mp.setattr(PerExampleClipper, "_refuse_stray_uses", lambda *a: None),
+        lambda mp: mp.setattr(ParameterUseAudit, "refuse", lambda *a: None),
         CustomFunction, (8, 5), "a.weight"),
     "hook that changes the output": (
         lambda mp: mp.setattr(PerExampleClipper, "_hook", _hook_before_user_hooks),
@@ -71,7 +72,7 @@ REVERTED = {
     # outside the layer's forward): both reverted, the self-check still names them.
     "weight_norm": (
         lambda mp: (mp.setattr(covered_layers, "_check_parameter_names", lambda *a: None),
-                    mp.setattr(PerExampleClipper, "_refuse_stray_uses", lambda *a: None)),
+                    mp.setattr(ParameterUseAudit, "refuse", lambda *a: None)),
         lambda: nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(5, 5)), nn.Tanh(),
                               nn.Linear(5, 3)), (8, 5), "0.weight_g"),
 }
@@ -246,18 +247,23 @@ def test_all_zero_gradients_pass_however_the_engine_rounds():
     for every example. The slow way's norms are exactly 0; the engine's rounding left ~1e-33,
     which is no error at all next to C (the norm check is relative to max(norm, C)), where a
     check relative to the largest norm alone stopped the run."""
-    from raydp_train.privacy.self_check import SelfCheckReport, _compare, _SlowWay
+    from raydp_train.privacy.self_check import SelfCheckReport, _compare
+    from raydp_train.privacy.slow_gradients import SlowWay
 
     model = nn.Sequential(nn.Flatten(), nn.Linear(2, 1))
     clipper = PerExampleClipper(model, 1.0)
     zeros = torch.zeros_like(clipper.flat_grad)
-    slow = _SlowWay(torch.zeros(2, dtype=torch.float64), zeros, torch.zeros(2, 1), [])
-    report = SelfCheckReport(2, tolerance(torch.float32))
-    _compare(clipper, report, torch.tensor([7.9e-34, 0.0]), zeros.clone(), None, slow)
+    slow = SlowWay(torch.zeros(2, dtype=torch.float64), [zeros, zeros], torch.zeros(2, 1), [])
+
+    def compared(engine_norms):
+        report = SelfCheckReport(2, tolerance(torch.float32))
+        _compare(clipper, report, [0, 1], engine_norms, engine_norms, torch.ones(2), None,
+                 [zeros, zeros], slow, zeros)
+        return report
+
+    report = compared(torch.tensor([7.9e-34, 0.0]))
     assert report.passed and report.norm_error < 1e-30
-    wrong = SelfCheckReport(2, tolerance(torch.float32))  # a norm off by 1e-3 C still fails
-    _compare(clipper, wrong, torch.tensor([1e-3, 0.0]), zeros.clone(), None, slow)
-    assert not wrong.passed
+    assert not compared(torch.tensor([1e-3, 0.0])).passed  # a norm off by 1e-3 C still fails
 
 
 def _hidden_units_at_their_kink(seed: int) -> tuple[nn.Module, torch.Tensor]:

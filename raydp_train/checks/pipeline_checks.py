@@ -105,10 +105,16 @@ def check_loss(pipeline: Pipeline, model: nn.Module, feature_shape: tuple[int, .
                 model, features, kind.example_labels(2, num_classes, generator))
 
 
+PREFLIGHT_ROWS = 8  # rows of the preflight's random batch
+
+
 def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tuple[int, ...],
                  num_classes: int) -> None:
-    """privacy.self_check on a random batch of the model's input shape: the engine against
-    one backward pass per example, before any budget is reserved (privacy/self_check.py)."""
+    """privacy.self_check on a random batch of the model's input shape, in training mode: the
+    leave-one-out invariant against one backward pass per example, before any budget is
+    reserved (privacy/self_check.py)."""
+    import random
+
     import torch
 
     from raydp_train.data.targets import label_kind
@@ -121,7 +127,8 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
     if not settings.enabled or not isinstance(engine, PerExampleClipper):
         return
     generator = torch.Generator().manual_seed(0)
-    count = settings.examples
+    # A batch of a few rows: a model that mixes rows (from the third on, say) shows.
+    count = max(settings.examples, PREFLIGHT_ROWS)
     if pipeline.model.kind == "hf":
         vocab = model.model.get_input_embeddings().num_embeddings  # the transformers model
         ids = torch.randint(vocab, (count, feature_shape[-1]), generator=generator)
@@ -134,9 +141,14 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
     labels = kind.example_labels(count, num_classes, generator)
     loss = task_of(pipeline).training_loss(pipeline.model)
     precision = pipeline.training.precision
-    report = compare_with_per_example(engine, in_precision(loss, precision, "cpu"),
-                                      (model, features, labels), count,
-                                      AUTOCAST_DTYPES[precision])
+    training = model.training
+    model.train()
+    try:
+        report = compare_with_per_example(engine, in_precision(loss, precision, "cpu"),
+                                          (model, features, labels), settings.examples,
+                                          AUTOCAST_DTYPES[precision], random.Random(0))
+    finally:
+        model.train(training)
     if not report.passed:
         raise SelfCheckError(report.message())
 

@@ -25,9 +25,17 @@ import torch
 from torch import Tensor, nn
 
 # Importing these registers the built-in rules (lora: DP-LoRA's adapter layers).
-from raydp_train.privacy import layer_rules, lora, norm_rules, rms_norm_families  # noqa: F401
+from raydp_train.privacy import (  # noqa: F401
+    embedding_rule,
+    layer_rules,
+    lora,
+    norm_rules,
+    rms_norm_families,
+)
 from raydp_train.privacy.covered_layers import (
     BatchDimensionError,
+    TrainedSetChangedError,
+    check_trained_set,
     check_uniform,
     covered_layers,
     own_trainable,
@@ -35,15 +43,18 @@ from raydp_train.privacy.covered_layers import (
     refuse_compiled,
     refuse_state_from_the_batch,
     slot_views,
+    trained_names,
 )
 from raydp_train.privacy.layer_recording import LayerRecorder
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
+from raydp_train.privacy.random_state import random_state, restore_random_state
+from raydp_train.privacy.rounding import full_precision_matmuls, gamma
 from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError, cast_recorded
-from raydp_train.privacy.tied_weights import Tie, find_ties, tie_terms
+from raydp_train.privacy.tied_weights import TieTerm, find_ties, tie_terms
 
 __all__ = [
     "BatchDimensionError", "MicroBatchStats", "ParameterUseError", "PerExampleClipper",
-    "UnsupportedLayerError",
+    "TrainedSetChangedError", "UnsupportedLayerError",
 ]
 
 
@@ -51,7 +62,7 @@ class NormParts(NamedTuple):
     """What each per-example squared norm was summed from (for the self-check's diagnosis)."""
 
     layers: dict[nn.Module, Tensor]  # each used layer's own squared norm, [B]
-    ties: list[tuple[Tie, Tensor]]  # each shared parameter's cross terms, [B]
+    ties: list[TieTerm]  # each shared parameter's cross terms, [B] float64
 
 
 class MicroBatchStats(NamedTuple):
@@ -89,6 +100,9 @@ class PerExampleClipper(LayerRecorder):
         }
         self._bound = list(bound.values())
         self.last_norm_parts: NormParts | None = None
+        # The last micro-batch's clip basis sqrt(norm^2 + rounding bound) and clip factors.
+        self.last_clip_basis: Tensor | None = None
+        self.last_clip_factors: Tensor | None = None
         self._calls: dict[nn.Module, LayerCalls] = {}
         self._audit = ParameterUseAudit(model, {module: name for name, module, _ in self.layers})
         self._names = {key: name for key, (_, name) in self._audit.owner_of.items()}
@@ -99,6 +113,8 @@ class PerExampleClipper(LayerRecorder):
         self._handles: dict[nn.Module, tuple] = {}
         for _, module, _ in self.layers:
             self._hook(module)
+        # What trains is fixed here: every rule, slot and the optimizer's view rest on it.
+        self._trained_names = trained_names(model)
 
     # ------------------------------------------------------------------ public
     def accumulate(self, compute_losses: Callable[..., Tensor], *args) -> MicroBatchStats:
@@ -108,13 +124,16 @@ class PerExampleClipper(LayerRecorder):
         (the engine owns the reduction). A trained parameter that reached the loss outside its
         layer's forward in this pass is refused by name before anything is summed.
         """
+        check_trained_set(self.model, self._trained_names)
         self._keep_hooks_innermost()
-        random_state = _random_state()
+        state = random_state()
         try:
             losses, stray = self._forward_backward(compute_losses, args)
             if stray:
-                self._refuse_stray_uses(stray, compute_losses, args, random_state)
+                restore_random_state(state)
+                self._audit.refuse(stray, lambda: compute_losses(*args))
             if losses.shape[0] == 0:  # an empty micro-batch adds nothing
+                self.last_clip_basis = self.last_clip_factors = losses.detach().clone()
                 return MicroBatchStats(losses.detach(), losses.detach().clone())
             return MicroBatchStats(losses.detach(), self._clip_and_sum(losses.shape[0]))
         finally:
@@ -187,30 +206,13 @@ class PerExampleClipper(LayerRecorder):
             self._check_inputs_unchanged()
             raise
 
-    def _refuse_stray_uses(self, stray: list[Tensor], compute_losses: Callable[..., Tensor],
-                           args: tuple, random_state: tuple) -> None:
-        """Run the pass again under the audit (with the same random draws), which names the
-        module and function of a stray use; a use it cannot see (inside a custom
-        autograd.Function, a hook) is refused by the parameter's name."""
-        _restore_random_state(random_state)
-        with self._audit.watching():
-            compute_losses(*args)
-        names = ", ".join(f"'{self.parameter_name(p)}'" for p in stray)
-        raise ParameterUseError(
-            f"trained parameter(s) {names} reached the loss outside their own layer's forward "
-            "(e.g. through a custom torch.autograd.Function, a hook, or a functional use of "
-            "the weight); per-example clipping sees a parameter only where its layer is "
-            "called, so this share would be missing from the clipped gradient. Call the layer "
-            "itself, untie or freeze the parameter"
-        )
-
     # ------------------------------------------------------------------ math
     def _clip_and_sum(self, batch_size: int) -> Tensor:
         used = self._used_layers(batch_size)
         # A forward under autocast (bf16) records bfloat16 tensors; the norms decide the clip
         # factors the privacy guarantee rests on, so they are computed in the parameters' dtype.
         cast_recorded([self._calls[module] for _, module, _ in used], self.flat_grad.dtype)
-        with torch.autocast(self.flat_grad.device.type, enabled=False):
+        with torch.autocast(self.flat_grad.device.type, enabled=False), full_precision_matmuls():
             return self._clip_and_sum_recorded(used, batch_size)
 
     def _clip_and_sum_recorded(self, used: list, batch_size: int) -> Tensor:
@@ -222,13 +224,27 @@ class PerExampleClipper(LayerRecorder):
         like = self.flat_grad.new_zeros(batch_size)
         ties = tie_terms(self.ties, {module: self._calls[module] for module in parts}, like)
         self.last_norm_parts = NormParts(parts, ties)
-        squared = sum(parts.values(), like) + sum((term for _, term in ties), like)
-        # The Gram shortcut <a a^T, G G^T> can cancel to a tiny negative number.
-        norms = squared.clamp(min=0).sqrt()
-        clip_factors = self.clip_norm / norms.clamp(min=self.clip_norm)
+        squared, rounding = self._squared_norms(parts, ties)
+        # A Gram form can cancel to a tiny or negative number: the clip factor comes from the
+        # squared norm plus the bound on its rounding error, never below the true one.
+        basis = (squared.clamp(min=0) + rounding).sqrt()
+        clip_factors = (self.clip_norm / basis.clamp(min=self.clip_norm)).to(self.flat_grad.dtype)
+        self.last_clip_basis, self.last_clip_factors = basis, clip_factors
         for _, module, rule in used:
             rule.add_clipped_sum(module, self._calls[module], clip_factors, self.slots[module])
-        return norms
+        return squared.clamp(min=0).sqrt().to(self.flat_grad.dtype)
+
+    def _squared_norms(self, parts: dict[nn.Module, Tensor],
+                       ties: list) -> tuple[Tensor, Tensor]:
+        """||g_i||^2 summed over layers and cross terms in float64, and the bound on its
+        rounding error: the Gram forms' own (`calls.state["rounding"]`) and the sum's."""
+        terms = [part.double() for part in parts.values()] + [term.value for term in ties]
+        squared = torch.stack(terms).sum(0)
+        rounding = sum((self._calls[module].state.get("rounding", 0) for module in parts),
+                       squared.new_zeros(squared.shape))
+        rounding = rounding + sum((term.rounding for term in ties), torch.zeros_like(rounding))
+        summing = gamma(len(terms), torch.float64) * torch.stack(terms).abs().sum(0)
+        return squared, rounding + summing
 
     def _used_layers(self, batch_size: int) -> list:
         """Layers that took part in the loss, after checking their example dimension."""
@@ -272,15 +288,3 @@ class PerExampleClipper(LayerRecorder):
             )
         if not losses.requires_grad:
             raise ValueError("the loss does not depend on any trainable parameter")
-
-
-def _random_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_random_state(state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)

@@ -10,16 +10,45 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from raydp_train.errors import UserError
 from raydp_train.privacy.rule_registry import (
     Rule,
     UnsupportedLayerError,
     rule_for,
     supported_layers,
+    why_no_rule,
 )
 
 
-class BatchDimensionError(ValueError):
+class BatchDimensionError(UserError, ValueError):
     """A layer saw a leading dimension that is not the example dimension."""
+
+
+class TrainedSetChangedError(UserError, RuntimeError):
+    """A parameter started or stopped requiring grad after the engine was built."""
+
+
+def trained_names(model: nn.Module) -> dict[int, str]:
+    """Every parameter that requires grad, by identity, with its (first) qualified name."""
+    return {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def check_trained_set(model: nn.Module, built_with: dict[int, str]) -> None:
+    """What trains is fixed when the engine is built: every rule and slot rests on it. A
+    parameter unfrozen since has neither, and its raw, unclipped gradient would reach the
+    optimizer; one frozen since would still be clipped and stepped. Either is refused."""
+    now = trained_names(model)
+    if now == built_with:
+        return
+    started = sorted(set(now.values()) - set(built_with.values()))
+    stopped = sorted(set(built_with.values()) - set(now.values()))
+    changes = "; ".join(part for part in (
+        started and f"now trained: {', '.join(repr(n) for n in started)}",
+        stopped and f"now frozen: {', '.join(repr(n) for n in stopped)}") if part)
+    raise TrainedSetChangedError(
+        f"the model's trained parameters changed after the clipping engine was built "
+        f"({changes}); nothing of this step was computed or released. Set requires_grad "
+        "before building the engine (a new PrivateStep, or a new run)")
 
 
 def own_trainable(module: nn.Module) -> list[Tensor]:
@@ -86,13 +115,31 @@ def covered_layers(model: nn.Module, rules: dict) -> list:
         if rule is None:
             raise UnsupportedLayerError(
                 f"module '{label}' ({type(module).__name__}) owns trainable parameters "
-                f"but per-example clipping has no rule for it; supported: {supported_layers()}. "
-                "Freeze it (requires_grad=False) or replace it"
+                f"but per-example clipping has no rule for it{why_no_rule(module)}; "
+                f"supported: {supported_layers()}. Freeze it (requires_grad=False) or "
+                "replace it"
             )
+        _refuse_one_parameter_twice(module, label)
         rule.check(module, label)
         _check_parameter_names(module, label, rule)
         layers.append((label, module, rule))
     return layers
+
+
+def _refuse_one_parameter_twice(module: nn.Module, label: str) -> None:
+    """One Parameter under two names of the same module (a norm whose `weight` is its `bias`):
+    its rule would compute each name's gradient as if they were two parameters."""
+    names: dict[int, str] = {}
+    for name, param in module._parameters.items():
+        if param is None or not param.requires_grad:
+            continue
+        if id(param) in names:
+            raise UnsupportedLayerError(
+                f"module '{label}' ({type(module).__name__}) holds one trainable parameter "
+                f"under two names, '{names[id(param)]}' and '{name}'; per-example clipping "
+                "needs each of a layer's parameters distinct: give each its own tensor or "
+                "freeze it")
+        names[id(param)] = name
 
 
 def _check_parameter_names(module: nn.Module, label: str, rule: Rule) -> None:

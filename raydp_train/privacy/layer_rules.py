@@ -1,8 +1,8 @@
 """The built-in layer rules (ARCHITECTURE.md §2.3); what a rule does is in rule_registry.py.
 
 Linear and the convolutions share the Linear rule's one-matmul clipped sum and Gram shortcut;
-Embedding sums rows per (example, id); the normalization layers' rules are in norm_rules.py.
-Each rule registers itself for its layers.
+Embedding's rule is in embedding_rule.py, the normalization layers' in norm_rules.py. Each
+rule registers itself for its layers.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raydp_train.privacy.rounding import gram_product, unit_roundoff
 from raydp_train.privacy.rule_registry import (
     LayerCalls,
     Rule,
@@ -22,24 +23,40 @@ from raydp_train.privacy.rule_registry import (
 
 
 def linear_weight_norm(a: Tensor, g: Tensor, gram_cache: dict, key: tuple | None) -> tuple:
-    """||G_i^T a_i||_F^2 for a [B,T,m], g [B,T,n]; returns (norms, per-example grads or None).
+    """||G_i^T a_i||_F^2 for a [B,T,m], g [B,T,n]; returns (norms, per-example grads or None,
+    rounding bound [B] float64 or None).
 
     Ghost: <a a^T, G G^T>, O(T^2 (m+n)), when 2 T^2 <= m n; otherwise materialize G_i^T a_i.
+    The ghost form's terms can cancel (rounding.py): it comes with a bound on its rounding
+    error, and the clip factor is taken from norm^2 + bound. The other two forms are sums of
+    squares of the very numbers the clipped sum adds, and need none.
     """
     tokens, in_features, out_features = a.shape[1], a.shape[2], g.shape[2]
     if 2 * tokens * tokens <= in_features * out_features:
         if tokens == 1:
-            return a.square().sum((1, 2)) * g.square().sum((1, 2)), None
+            return a.square().sum((1, 2)) * g.square().sum((1, 2)), None, None
         # Q, K and V projections read the same input tensor: compute its Gram once.
-        input_gram = gram_cache.get(key) if key is not None else None
-        if input_gram is None:
-            input_gram = torch.bmm(a, a.transpose(1, 2))
+        cached = gram_cache.get(key) if key is not None else None
+        if cached is None:
+            cached = torch.bmm(a, a.transpose(1, 2)), a.norm(dim=2)
             if key is not None:
-                gram_cache[key] = input_gram
-        output_gram = torch.bmm(g, g.transpose(1, 2))
-        return (input_gram * output_gram).sum((1, 2)), None
+                gram_cache[key] = cached
+        input_gram, input_norms = cached
+        grad_norms = g.norm(dim=2)
+        value, bound = gram_product(input_gram, torch.bmm(g, g.transpose(1, 2)),
+                                    (input_norms, input_norms), (grad_norms, grad_norms),
+                                    in_features, out_features)
+        norms = value.to(a.dtype)
+        return norms, None, bound + unit_roundoff(a.dtype) * value.abs()
     per_example = torch.bmm(g.transpose(1, 2), a)
-    return per_example.square().sum((1, 2)), per_example
+    return per_example.square().sum((1, 2)), per_example, None
+
+
+def add_rounding(calls: LayerCalls, bound: Tensor | None) -> None:
+    """Add a Gram form's rounding bound [B] to what the engine adds to the squared norms
+    before it forms the clip factors (`calls.state["rounding"]`)."""
+    if bound is not None:
+        calls.state["rounding"] = calls.state.get("rounding", 0) + bound
 
 
 def add_linear_clipped_sum(
@@ -97,7 +114,7 @@ def gram_key(x: Tensor, token_view: tuple, kept_tokens: int) -> tuple:
     return memory, token_view, kept_tokens
 
 
-def _cat_tokens(tensors: list[Tensor]) -> Tensor:
+def cat_tokens(tensors: list[Tensor]) -> Tensor:
     """Concatenate calls along the token axis (no copy for the usual single call)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, 1)
 
@@ -122,7 +139,7 @@ class LinearRule(Rule):
         """All calls as one [B, T, m] input and [B, T, n] output gradient, with the positions
         padding left without gradient dropped (`drop_padding`: the kept rows, or None)."""
         pairs = [self.tokens(module, x, g) for x, g in zip(calls.inputs, calls.output_grads)]
-        return drop_padding(_cat_tokens([a for a, _ in pairs]), _cat_tokens([g for _, g in pairs]))
+        return drop_padding(cat_tokens([a for a, _ in pairs]), cat_tokens([g for _, g in pairs]))
 
     def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
         a, g, rows = self.stacked_tokens(module, calls)
@@ -134,9 +151,11 @@ class LinearRule(Rule):
             key = gram_key(calls.inputs[0], view, a.shape[1]) if shareable else None
             per_group = []
             for a_part, g_part in self._group_slices(module, a, g):
-                group_norms, per_example = linear_weight_norm(a_part, g_part, gram_cache, key)
+                group_norms, per_example, bound = linear_weight_norm(a_part, g_part,
+                                                                     gram_cache, key)
                 norms = norms + group_norms
                 per_group.append(per_example)
+                add_rounding(calls, bound)
             calls.state["per_example"] = per_group
         if "bias" in slots:
             bias_grads = g.sum(1)
@@ -231,48 +250,6 @@ def _pad_same(x: Tensor, kernel, dilation) -> Tensor:
         total = rate * (size - 1)
         pads += [total // 2, total - total // 2]
     return F.pad(x, pads)
-
-
-# ---------------------------------------------------------------------------- Embedding
-
-
-@register_rule(nn.Embedding)
-class EmbeddingRule(Rule):
-    """nn.Embedding: grad_i[v] = sum of G_i[t] over the tokens t with id v.
-
-    Rows are summed per (example, id) with one index_add over the unique pairs, so neither
-    a T x T token-equality Gram nor a dense V x d per-example gradient is ever formed.
-    """
-
-    def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
-        return ("weight",)
-
-    def check(self, module: nn.Module, name: str) -> None:
-        if module.sparse or module.scale_grad_by_freq:
-            raise UnsupportedLayerError(
-                f"module '{name}' (Embedding) uses sparse=True or scale_grad_by_freq=True, "
-                "which per-example clipping does not support"
-            )
-
-    def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
-        ids = _cat_tokens([x.reshape(x.shape[0], -1) for x in calls.inputs])
-        g = _cat_tokens([g.reshape(g.shape[0], -1, g.shape[-1]) for g in calls.output_grads])
-        batch, vocab = ids.shape[0], module.num_embeddings
-        if module.padding_idx is not None:
-            g = g.masked_fill((ids == module.padding_idx).unsqueeze(-1), 0)
-        example = torch.arange(batch, device=ids.device).unsqueeze(1)
-        pair_keys, pair_index = torch.unique(example * vocab + ids, return_inverse=True)
-        row_sums = g.new_zeros(pair_keys.shape[0], g.shape[-1])
-        row_sums.index_add_(0, pair_index.reshape(-1), g.reshape(-1, g.shape[-1]))
-        calls.state.update(pair_keys=pair_keys, row_sums=row_sums, ids=ids, g=g)
-        norms = g.new_zeros(batch)
-        return norms.index_add_(0, pair_keys // vocab, row_sums.square().sum(1))
-
-    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
-        pair_keys, row_sums = calls.state["pair_keys"], calls.state["row_sums"]
-        vocab = module.num_embeddings
-        scaled = row_sums * clip_factors[pair_keys // vocab].unsqueeze(1)
-        slots["weight"].index_add_(0, pair_keys % vocab, scaled)
 
 
 @register_rule("transformers.pytorch_utils.Conv1D")

@@ -20,6 +20,7 @@ from raydp_train.errors import UserError
 from raydp_train.privacy.layer_rules import (
     LinearRule,
     add_linear_clipped_sum,
+    add_rounding,
     gram_key,
     linear_weight_norm,
 )
@@ -82,8 +83,10 @@ class LoraRule(Rule):
         # Q, K and V read one input: share its Gram with theirs (single calls only).
         key = (gram_key(calls.inputs[0], self._tokens.token_view(module), x.shape[1])
                if len(calls.inputs) == 1 else None)
-        norms_a, per_example_a = linear_weight_norm(x, u, gram_cache, key)
-        norms_b, per_example_b = linear_weight_norm(h, scaled, gram_cache, None)
+        norms_a, per_example_a, bound_a = linear_weight_norm(x, u, gram_cache, key)
+        norms_b, per_example_b, bound_b = linear_weight_norm(h, scaled, gram_cache, None)
+        add_rounding(calls, bound_a)
+        add_rounding(calls, bound_b)
         calls.state.update(pairs={"lora_A": (x, u, per_example_a),
                                   "lora_B": (h, scaled, per_example_b)}, rows=rows)
         return norms_a + norms_b

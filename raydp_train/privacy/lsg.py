@@ -22,7 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from raydp_train.errors import UserError
-from raydp_train.privacy.layer_rules import LinearRule, add_linear_clipped_sum, linear_weight_norm
+from raydp_train.privacy.layer_rules import (
+    LinearRule,
+    add_linear_clipped_sum,
+    add_rounding,
+    linear_weight_norm,
+)
 from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError, rule_for
 
 
@@ -102,8 +107,12 @@ class LowRankRule(Rule):
         # Mask before the norms, so the clipping budget is spent on kept entries only.
         left_in, left_out = a @ carriers.right.t(), g * carriers.kept_rows
         right_in, right_out = a * carriers.kept_columns, g @ carriers.left
-        norms_left, left_examples = linear_weight_norm(left_in, left_out, gram_cache, None)
-        norms_right, right_examples = linear_weight_norm(right_in, right_out, gram_cache, None)
+        norms_left, left_examples, left_bound = linear_weight_norm(left_in, left_out,
+                                                                   gram_cache, None)
+        norms_right, right_examples, right_bound = linear_weight_norm(right_in, right_out,
+                                                                      gram_cache, None)
+        add_rounding(calls, left_bound)
+        add_rounding(calls, right_bound)
         calls.state.update(
             left=(left_in, left_out, left_examples), right=(right_in, right_out, right_examples),
             rows=rows,

@@ -66,6 +66,21 @@ class ParameterUseAudit:
         if mode.stray_uses:
             raise ParameterUseError(self._message(*mode.stray_uses[0]))
 
+    def refuse(self, stray: list[Tensor], rerun) -> None:
+        """Run the pass again (`rerun()`, with the same random draws) under the audit, which
+        names the module and function of a stray use; a use it cannot see (inside a custom
+        autograd.Function, a hook) is refused by the parameter's name."""
+        with self.watching():
+            rerun()
+        names = ", ".join(f"'{self.owner_of[id(p)][1]}'" for p in stray)
+        raise ParameterUseError(
+            f"trained parameter(s) {names} reached the loss outside their own layer's forward "
+            "(e.g. through a custom torch.autograd.Function, a hook, or a functional use of "
+            "the weight); per-example clipping sees a parameter only where its layer is "
+            "called, so this share would be missing from the clipped gradient. Call the layer "
+            "itself, untie or freeze the parameter"
+        )
+
     def _message(self, parameter_name: str, caller: nn.Module | None, function: str) -> str:
         where = (
             f"module '{self.module_names.get(id(caller), '?')}' ({type(caller).__name__})"

@@ -8,8 +8,8 @@ weight, returns
     weight * x / sqrt(mean(x^2 over the last axis) + eps)
 
 Llama computes this in float32 and casts back; the tolerance allows that rounding. Anything
-else (Gemma's (1 + weight), an epsilon outside the root, ...) is refused. The verdict is kept
-per class: a class's forward does not change between instances.
+else (Gemma's (1 + weight), an epsilon outside the root, ...) is refused. Each instance is
+checked on its own: an instance may carry attributes (a gain) or a forward of its own.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from raydp_train.privacy.norm_rules import RMSNormRule
 from raydp_train.privacy.rule_registry import Rule, register_matcher
 
 _EPSILON_NAMES = ("eps", "variance_epsilon")
-_VERDICTS: dict[type, bool] = {}
 
 
 class RMSNormFamilyRule(RMSNormRule):
@@ -44,10 +43,7 @@ _RULE = RMSNormFamilyRule()
 def match_rms_norm(module: nn.Module) -> Rule | None:
     if not _has_rms_norm_structure(module):
         return None
-    cls = type(module)
-    if cls not in _VERDICTS:
-        _VERDICTS[cls] = _computes_rms_norm(module)
-    return _RULE if _VERDICTS[cls] else None
+    return _RULE if _computes_rms_norm(module) else None
 
 
 def epsilon(module: nn.Module) -> float | None:

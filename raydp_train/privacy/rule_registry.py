@@ -153,8 +153,8 @@ def register_matcher(description: str):
 
 
 def rule_for(module: nn.Module) -> Rule | None:
-    """The rule of the module's type (subclasses qualify only if they keep its forward), else
-    the first matcher's that accepts it."""
+    """The rule of the module's type, if the module computes what that type's forward does
+    (`changed_behaviour`), else the first matcher's that accepts it."""
     rule = _registered_rule(module)
     for match in _MATCHERS.values():
         if rule is not None:
@@ -163,12 +163,56 @@ def rule_for(module: nn.Module) -> Rule | None:
     return rule
 
 
-def _registered_rule(module: nn.Module) -> Rule | None:
+def _registered_layer(module: nn.Module) -> tuple[type, Rule] | None:
+    """The nearest class in the module's MRO that has a rule, and the rule."""
     for cls in type(module).__mro__:
         rule = _RULES.get(cls) or _RULES.get(_qualified_name(cls))
         if rule is not None:
-            return rule if type(module).forward is cls.forward else None
+            return cls, rule
     return None
+
+
+def _registered_rule(module: nn.Module) -> Rule | None:
+    found = _registered_layer(module)
+    if found is None or changed_behaviour(module, found[0]) is not None:
+        return None
+    return found[1]
+
+
+# Methods a subclass may redefine without changing what its forward computes: construction,
+# initialization, printing and (de)serialization. Any other redefined method (`forward`,
+# `_conv_forward`, `__call__`, ...) may change the computation the rule was derived for.
+_BEHAVIOUR_NEUTRAL = frozenset({
+    "__init__", "reset_parameters", "extra_repr", "__repr__", "__setstate__", "__getstate__",
+    "_load_from_state_dict", "_save_to_state_dict", "__init_subclass__",
+})
+
+
+def changed_behaviour(module: nn.Module, layer: type) -> str | None:
+    """How `module` (an instance of a subclass of `layer`) may compute something other than
+    `layer`'s forward: a method of `layer` redefined by its class or set on the instance
+    itself; None if neither. Rules bind to behaviour, not to class names."""
+    for name, value in vars(module).items():
+        if callable(value) and hasattr(layer, name):
+            return f"the instance's own `{name}` replaces {layer.__name__}.{name}"
+    for cls in type(module).__mro__:
+        if cls is layer:
+            break
+        for name, value in vars(cls).items():
+            if name not in _BEHAVIOUR_NEUTRAL and _is_method(value) and hasattr(layer, name):
+                return f"class {cls.__name__} redefines {layer.__name__}.{name}"
+    return None
+
+
+def why_no_rule(module: nn.Module) -> str:
+    """Why a module of a class with a registered rule does not get it ('' if it has none)."""
+    found = _registered_layer(module)
+    reason = found and changed_behaviour(module, found[0])
+    return f" ({reason}, so the {found[0].__name__} rule does not apply)" if reason else ""
+
+
+def _is_method(value) -> bool:
+    return callable(value) or isinstance(value, (staticmethod, classmethod, property))
 
 
 def supported_layers() -> str:

@@ -20,7 +20,8 @@ exact, with O(B T_u T_w) memory (no per-example V x d gradient):
 (a, b: Linear inputs; G, H, F: output gradients; E(ids, F): the rows F_s added at rows id_s.)
 Any other pair is the inner product of the per-example gradients both rules materialize
 (`Rule.per_example_gradient`: biases, norm scales, convolution kernels); a pair where a rule
-cannot is refused, naming both modules.
+cannot is refused, naming both modules. Cross terms can cancel like any Gram form: each comes
+in float64 with a bound on its rounding error (rounding.py), which the clip factor adds.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from itertools import combinations
 import torch
 from torch import Tensor, nn
 
-from raydp_train.privacy.layer_rules import EmbeddingRule, LinearRule
+from raydp_train.privacy.embedding_rule import EmbeddingRule
+from raydp_train.privacy.layer_rules import LinearRule
+from raydp_train.privacy.rounding import gathered_product, gram_product, inner_product
 from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError
 
 
@@ -53,7 +56,8 @@ class Tie:
     uses: tuple[Use, ...]
 
 
-CrossTerm = Callable[[Use, LayerCalls, Use, LayerCalls], Tensor]
+# <g_i^u, g_i^w> per example and a bound on its rounding error, both float64 [B].
+CrossTerm = Callable[[Use, LayerCalls, Use, LayerCalls], tuple[Tensor, Tensor]]
 
 
 def find_ties(layers: list) -> list[Tie]:
@@ -84,20 +88,30 @@ def find_ties(layers: list) -> list[Tie]:
     return ties
 
 
-def tie_terms(ties: list[Tie], used: dict[nn.Module, LayerCalls],
-              like: Tensor) -> list[tuple[Tie, Tensor]]:
-    """Each tie's 2 sum_{u<w} <g_i^u, g_i^w> over its uses that took part in the loss, [B].
+@dataclass(frozen=True)
+class TieTerm:
+    """A tie's 2 sum_{u<w} <g_i^u, g_i^w> over its used pairs, and its rounding bound."""
+
+    tie: Tie
+    value: Tensor  # [B], float64
+    rounding: Tensor  # [B], float64
+
+
+def tie_terms(ties: list[Tie], used: dict[nn.Module, LayerCalls], like: Tensor) -> list[TieTerm]:
+    """Each tie's cross terms over its uses that took part in the loss.
 
     Call after every used layer's `squared_norms`: the terms read what those left in
     `calls.state`."""
     terms = []
     for tie in ties:
-        total = torch.zeros_like(like)
+        value = torch.zeros_like(like, dtype=torch.float64)
+        rounding = torch.zeros_like(value)
         present = [use for use in tie.uses if use.module in used]
         for use_a, use_b in combinations(present, 2):
             term = _cross_term(use_a, use_b)
-            total = total + 2 * term(use_a, used[use_a.module], use_b, used[use_b.module])
-        terms.append((tie, total))
+            pair, bound = term(use_a, used[use_a.module], use_b, used[use_b.module])
+            value, rounding = value + 2 * pair, rounding + 2 * bound
+        terms.append(TieTerm(tie, value, rounding))
     return terms
 
 
@@ -121,32 +135,38 @@ def _kind(use: Use) -> tuple[type, str]:
     return type(use.rule), use.slot
 
 
-def _materialized(use_a: Use, calls_a: LayerCalls, use_b: Use, calls_b: LayerCalls) -> Tensor:
+def _materialized(use_a: Use, calls_a: LayerCalls, use_b: Use,
+                  calls_b: LayerCalls) -> tuple[Tensor, Tensor]:
     grads_a = use_a.rule.per_example_gradient(use_a.module, calls_a, use_a.slot)
     grads_b = use_b.rule.per_example_gradient(use_b.module, calls_b, use_b.slot)
-    return (grads_a * grads_b).flatten(1).sum(1)
+    return inner_product(grads_a, grads_b)
 
 
-def _linear_linear(first: Use, calls_a: LayerCalls, second: Use, calls_b: LayerCalls) -> Tensor:
+def _linear_linear(first: Use, calls_a: LayerCalls, second: Use,
+                   calls_b: LayerCalls) -> tuple[Tensor, Tensor]:
     a, b = calls_a.state, calls_b.state
     inputs = torch.bmm(a["a"], b["a"].transpose(1, 2))
     grads = torch.bmm(a["g"], b["g"].transpose(1, 2))
-    return (inputs * grads).sum((1, 2))
+    return gram_product(inputs, grads, (a["a"].norm(dim=2), b["a"].norm(dim=2)),
+                        (a["g"].norm(dim=2), b["g"].norm(dim=2)), a["a"].shape[2],
+                        a["g"].shape[2])
 
 
 def _embedding_linear(embedding: Use, calls_e: LayerCalls, linear: Use,
-                      calls_l: LayerCalls) -> Tensor:
+                      calls_l: LayerCalls) -> tuple[Tensor, Tensor]:
     ids, rows = calls_e.state["ids"], calls_e.state["g"]  # [B, S], [B, S, d]
     a, g = calls_l.state["a"], calls_l.state["g"]  # [B, T, d], [B, T, V]
     picked = g.gather(2, ids.unsqueeze(1).expand(-1, g.shape[1], -1))  # G_t[id_s]: [B, T, S]
-    return (picked * torch.bmm(a, rows.transpose(1, 2))).sum((1, 2))
+    return gathered_product(picked, torch.bmm(a, rows.transpose(1, 2)),
+                            (a.norm(dim=2), rows.norm(dim=2)), a.shape[2])
 
 
 def _embedding_embedding(first: Use, calls_a: LayerCalls, second: Use,
-                         calls_b: LayerCalls) -> Tensor:
+                         calls_b: LayerCalls) -> tuple[Tensor, Tensor]:
+    rows_a, rows_b = calls_a.state["g"], calls_b.state["g"]
     same_id = calls_a.state["ids"].unsqueeze(2) == calls_b.state["ids"].unsqueeze(1)
-    rows = torch.bmm(calls_a.state["g"], calls_b.state["g"].transpose(1, 2))
-    return (rows * same_id).sum((1, 2))
+    return gathered_product(same_id, torch.bmm(rows_a, rows_b.transpose(1, 2)),
+                            (rows_a.norm(dim=2), rows_b.norm(dim=2)), rows_a.shape[2])
 
 
 # Exact rule types and the slot each use is in: a subclass (a convolution, GPT-2's

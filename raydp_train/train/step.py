@@ -57,8 +57,9 @@ def private_step(
     how it reaches the parameters (LSG: kept carrier entries, mapped back to the weights).
     `precision` "bf16" runs the forward (and so the backward) in bfloat16 under autocast;
     the norms, clip factors, clipped sum, noise and update stay in the parameters' float32.
-    When `engine_checks` says the step is due, the engine is checked against one backward
-    per example on the first micro-batch, on every rank, before anything is reduced.
+    When `engine_checks` says the step is due, the engine is checked on the first micro-batch
+    (leave-one-out against one backward per example), on every rank, before anything is
+    reduced.
     """
     compute_losses = in_precision(per_example_loss, precision, clipper.flat_grad.device.type)
     # The step's noise draw (zeros on ranks > 0) is the starting value of the local sum.
@@ -66,10 +67,11 @@ def private_step(
     check_due = engine_checks is not None and engine_checks.due(clipper)
     loss_sum, count = 0.0, 0
     for features, labels in micro_batches:
-        if check_due:
-            engine_checks.run(clipper, compute_losses, (model, features, labels))
+        if check_due:  # the check's full pass is this micro-batch's clipped sum
+            stats = engine_checks.run(clipper, compute_losses, (model, features, labels))
             check_due = False
-        stats = clipper.accumulate(compute_losses, model, features, labels)
+        else:
+            stats = clipper.accumulate(compute_losses, model, features, labels)
         loss_sum += stats.losses.sum().item()
         count += labels.shape[0]
     if check_due:  # this rank sampled nothing, but joins the other ranks' verdict

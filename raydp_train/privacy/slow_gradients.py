@@ -1,0 +1,113 @@
+"""The slow way: each chosen example's gradient by one backward pass of its own, laid out
+in the clipping engine's slots (§2.3), for the self-check (self_check.py).
+
+Example j's forward runs in a batch of the engine's shape whose every row is example j, its
+loss taken at row j: row j rounds as in the engine's forward, and a model that mixes rows
+cannot borrow another example's data there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from raydp_train.privacy.random_state import restore_random_state
+
+
+@dataclass
+class SlowWay:
+    norms: Tensor  # [K], float64
+    gradients: list[Tensor]  # each chosen example's gradient, laid out as the flat buffer
+    group_squares: Tensor  # [K, groups], float64: each group's share of ||g_j||^2
+    groups: list  # the layer groups (joined by shared parameters) and their named slots
+
+
+def slow_way(clipper, compute_losses, batch: tuple, chosen: list[int], state) -> SlowWay:
+    """One backward per chosen example: its gradient, norm and share of each group (norms
+    summed slot by slot: one float32 norm over millions of numbers can be off by 1e-4)."""
+    groups = [(modules, group_slots(clipper, modules)) for modules in layer_groups(clipper)]
+    squares = torch.zeros(len(chosen), len(groups), dtype=torch.float64)
+    gradients = []
+    for row, j in enumerate(chosen):
+        restore_random_state(state)
+        gradient = clipper.slot_vector(example_gradients(clipper, compute_losses, batch, j))
+        for k, (_, members) in enumerate(groups):
+            squares[row, k] = sum(square(clipper.slot_in(gradient, module, slot))
+                                  for _, module, slot in members)
+        gradients.append(gradient)
+    return SlowWay(squares.sum(1).sqrt(), gradients, squares, groups)
+
+
+def square(values: Tensor) -> float:
+    """||values||^2 of one slot (torch's cascade sum: ~5e-8 relative over 8M float32 numbers,
+    where a BLAS dot drifts by 1e-4), summed over slots in Python's float64."""
+    return float(values.square().sum())
+
+
+def group_slots(clipper, modules: set) -> list[tuple[str, nn.Module, str]]:
+    """The named slots of a group of layers, a shared parameter's one slot once."""
+    slots = {}
+    for name, module, slot in named_slots(clipper):
+        if module in modules:
+            slots.setdefault(clipper.slots[module][slot].storage_offset(), (name, module, slot))
+    return list(slots.values())
+
+
+def layer_groups(clipper) -> list[set[nn.Module]]:
+    """The covered layers, joined into one group wherever they share a parameter."""
+    groups = [{module} for _, module, _ in clipper.layers]
+    for tie in clipper.ties:
+        joined = [g for g in groups if any(use.module in g for use in tie.uses)]
+        groups = [g for g in groups if g not in joined] + [set().union(*joined)]
+    return groups
+
+
+def named_slots(clipper) -> list[tuple[str, nn.Module, str]]:
+    """(the parameter's name, module, slot) of every slot; a slot that is no parameter (LSG's
+    carriers) is named after its module."""
+    labels = {module: label for label, module, _ in clipper.layers}
+    named = []
+    for module, slots in clipper.slots.items():
+        for slot in slots:
+            param = module._parameters.get(slot)
+            name = clipper.parameter_name(param) if param is not None else None
+            named.append((name or f"{labels[module]}.{slot}", module, slot))
+    return named
+
+
+def example_gradients(clipper, compute_losses, batch: tuple, j: int) -> dict[int, Tensor]:
+    """Example j's gradients of the trained parameters, by autograd alone: its loss in a
+    batch of `batch`'s shape that holds it alone (the engine's hooks record nothing outside
+    its own passes)."""
+    loss = compute_losses(*alone(batch, j))[j]
+    if not loss.requires_grad:
+        return {}
+    grads = torch.autograd.grad(loss, clipper.parameters, allow_unused=True)
+    return {id(p): g for p, g in zip(clipper.parameters, grads) if g is not None}
+
+
+def alone(value, j: int):
+    """Every tensor in `value` with each example along its first axis replaced by example j;
+    same shape and strides, so row j computes as it did."""
+    return each_tensor(value, lambda t: torch.empty_like(t).copy_(t[j:j + 1].expand_as(t)))
+
+
+def each_tensor(value, change: Callable[[Tensor], Tensor]):
+    """`value` with `change` applied to every tensor of at least one axis in it (nested
+    tuples and lists too)."""
+    if isinstance(value, Tensor) and value.dim() > 0:
+        return change(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(each_tensor(v, change) for v in value)
+    return value
+
+
+def batch_size(value) -> int:
+    if isinstance(value, Tensor) and value.dim() > 0:
+        return value.shape[0]
+    if isinstance(value, (tuple, list)):
+        return next((n for n in map(batch_size, value) if n >= 0), -1)
+    return -1
