@@ -255,7 +255,8 @@ CASES = {
         ("training.cache_frozen_prefix: the prefix is not frozen: the embeddings train",)),
     "cache-frozen-prefix-of-a-logistic-model": Case(
         ("training.cache_frozen_prefix=true",), ("training.cache_frozen_prefix: needs model.kind hf",)),
-    "unsupported-trainable-layer": Case((text("text.parquet"), hf(config=TINY_GEMMA)), (
+    "unsupported-trainable-layer": Case((text("text.parquet"), hf(config=TINY_GEMMA),
+                                         "privacy.other_layers=refuse"), (
         "module 'model.model.embed_tokens' (GemmaTextScaledWordEmbedding)", "no rule")),
     # --- resources (the session's Ray stands for a cluster of 4 CPUs and no GPU)
     "gpu-asked-none-here": Case(("training.use_gpu=true",),

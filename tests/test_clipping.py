@@ -308,7 +308,7 @@ def test_linear_subclass_with_its_own_forward_is_refused():
             return 2 * super().forward(x)
 
     with pytest.raises(UnsupportedLayerError, match="ScaledLinear"):
-        PerExampleClipper(nn.Sequential(ScaledLinear(3, 3)), 1.0)
+        PerExampleClipper(nn.Sequential(ScaledLinear(3, 3)), 1.0, other_layers="refuse")
 
 
 def test_layer_input_changed_in_place_after_the_layer_is_refused():

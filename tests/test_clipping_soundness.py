@@ -99,8 +99,10 @@ def test_tied_lm_head_used_functionally_is_refused_by_name():
     assert all(p.requires_grad for p in model.parameters())
 
 
-def test_multihead_attention_out_proj_trained_without_in_proj_is_refused():
-    """nn.MultiheadAttention uses out_proj.weight without calling out_proj."""
+def test_multihead_attention_out_proj_trained_without_in_proj_is_exact_or_refused():
+    """nn.MultiheadAttention uses out_proj.weight without calling out_proj: on the
+    per-example path the attention owns it (exact); with other_layers: refuse, out_proj's
+    Linear rule would miss that use, and the stray use is refused by name."""
     attention = nn.MultiheadAttention(4, 2, batch_first=True)
     model = nn.ModuleDict({"before": nn.Linear(4, 4), "attention": attention})
     attention.in_proj_weight.requires_grad_(False)
@@ -110,11 +112,20 @@ def test_multihead_attention_out_proj_trained_without_in_proj_is_refused():
         h = model["before"](x)
         return model["attention"](h, h, h, need_weights=False)[0].square().sum((1, 2))
 
-    clipper = PerExampleClipper(model, 1.0)
+    x = torch.randn(3, 5, 4)
+    clipper = PerExampleClipper(model, 1.0, other_layers="refuse")
     with pytest.raises(ParameterUseError,
                        match=r"'attention.out_proj.weight' is used by module 'attention' "
                              r"\(MultiheadAttention\)"):
-        clipper.accumulate(losses, torch.randn(3, 5, 4))
+        clipper.accumulate(losses, x)
+    clipper.close()
+    per_example = torch.stack([
+        torch.cat([g.flatten() for g in torch.autograd.grad(
+            losses(x[i:i + 1]).sum(), [p for p in model.parameters() if p.requires_grad])])
+        for i in range(3)])
+    clipper = PerExampleClipper(model, 1.0)
+    norms = clipper.accumulate(losses, x).norms
+    torch.testing.assert_close(norms, per_example.norm(dim=1), rtol=1e-9, atol=0)
 
 
 def test_a_layer_called_through_forward_directly_is_refused():

@@ -112,7 +112,7 @@ def runs(files: Path, out: Path) -> dict[str, dict]:
             "model": {"kind": "cnn", "channels": [4], "kernel_size": 3, "hidden_size": 8,
                       "num_classes": 3},
             "privacy": {"target_epsilon": 8.0, "clip_norm": 1.0, "delta": 1e-4,
-                        "mechanism": "dpsgd"},
+                        "mechanism": "dpsgd", "other_layers": "refuse"},
             "training": {"epochs": 1, "batch_size": 30, "optimizer": "sgd", "momentum": 0.9,
                          "lr": 0.05, "schedule": "linear", "warmup_fraction": 0.2,
                          "precision": "bf16"},

@@ -106,10 +106,10 @@ def test_a_registered_user_layer_is_clipped_like_a_per_example_loop():
 def test_the_refusal_lists_the_registered_layers(toy_rule):
     model = nn.Sequential(nn.Linear(4, 4), nn.PReLU())
     with pytest.raises(UnsupportedLayerError) as refused:
-        PerExampleClipper(model, 1.0)
+        PerExampleClipper(model, 1.0, other_layers="refuse")
     message = str(refused.value)
-    assert "module '1' (PReLU)" in message
-    listed = message.split("supported: ")[1].split(". Freeze")[0]
+    assert "module '1' (PReLU) owns trainable parameter(s) 'weight'" in message
+    listed = message.split("supported: ")[1].split(". Set privacy.other_layers")[0]
     assert listed == rule_registry.supported_layers()
     registered, matched = listed.split("; ")
     assert matched.startswith("RMSNorm classes by what they compute")

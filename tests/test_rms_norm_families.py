@@ -80,10 +80,13 @@ class WeightIgnored(EpsilonOutsideTheRoot):
 @pytest.mark.parametrize("look_alike", [EpsilonOutsideTheRoot, WeightIgnored,
                                         transformers.models.gemma.modeling_gemma.GemmaRMSNorm])
 def test_a_look_alike_that_computes_something_else_is_refused_by_name(look_alike):
+    """With privacy.other_layers: refuse; on the per-example path it is exact instead."""
     model = nn.Sequential(nn.Linear(16, 16), look_alike(16))
     with pytest.raises(UnsupportedLayerError,
                        match=rf"module '1' \({look_alike.__name__}\).*supported: .*RMSNorm classes"):
-        PerExampleClipper(model, 1.0)
+        PerExampleClipper(model, 1.0, other_layers="refuse")
+    assert not any(type(rule) is RMSNormFamilyRule
+                   for _, _, rule in PerExampleClipper(model, 1.0).layers)
 
 
 class GainedNorm(nn.Module):
@@ -106,4 +109,4 @@ def test_each_instance_is_checked_on_its_own():
     assert rule_for(GainedNorm(8, gain=2.0)) is None
     model = nn.Sequential(nn.Linear(8, 8), GainedNorm(8), GainedNorm(8, gain=2.0))
     with pytest.raises(UnsupportedLayerError, match=r"module '2' \(GainedNorm\)"):
-        PerExampleClipper(model, 1.0)
+        PerExampleClipper(model, 1.0, other_layers="refuse")

@@ -68,7 +68,19 @@ def test_a_layer_that_computes_something_else_is_refused_by_name(case):
     build, reason = REFUSED[case]
     model = build()
     with pytest.raises(UnsupportedLayerError, match=rf"module '0' .*\({reason}"):
-        PerExampleClipper(model, 1.0)
+        PerExampleClipper(model, 1.0, other_layers="refuse")
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_on_the_per_example_path_the_same_layers_are_exact(case):
+    """privacy.other_layers: per_example (the default): torch.func differentiates what the
+    layer really computes."""
+    torch.manual_seed(0)
+    build, _ = REFUSED[case]
+    model = build()
+    shape = (5, 1, 4, 4) if case.startswith("_conv") else (5, 6)
+    x, y = torch.randn(*shape), torch.arange(5) % 3
+    assert_engine_is_the_per_example_loop(model, losses, x, y, 0.05)
 
 
 def test_a_subclass_that_only_constructs_differently_keeps_the_rule_and_is_exact():

@@ -6,8 +6,9 @@ the engine):
     random row on): stopped by the self-check before the first release;
   * adversarial cancellation in float32 (tokens nearly equal with alternating signs): every
     example's leave-one-out contribution to the engine's own sum <= C (1 + 1e-6);
-  * overridden forwards (a subclass's forward or _conv_forward, an instance's forward): refused
-    by name, or exact against the per-example loop when only construction differs;
+  * overridden forwards (a subclass's forward or _conv_forward, an instance's forward):
+    refused by name with `other_layers: refuse`, exact against the per-example loop on the
+    per-example path (and a subclass that only constructs differently keeps its rule);
   * late unfreezing or freezing between steps: refused before anything is computed.
 
 "Wrong" is anything else. `make test` runs 200 models; `pytest tests/test_soundness_families.py
@@ -147,24 +148,29 @@ def _overridden(rng: random.Random):
 
 
 def overridden(seed: int) -> str | None:
+    """Refused with privacy.other_layers: refuse; exact on the per-example path."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    layer, shape, refused = _overridden(rng)
+    layer, shape, computes_otherwise = _overridden(rng)
     model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.LazyLinear(3)).double()
     batch = rng.randint(2, 6)
     x, y = torch.randn(batch, *shape, dtype=torch.float64), torch.randint(0, 3, (batch,))
     model(x)  # materializes the lazy head
     try:
-        clipper = PerExampleClipper(model, 0.05)
+        PerExampleClipper(model, 0.05, other_layers="refuse").close()
+        if computes_otherwise:
+            return f"{type(layer).__name__} computes something else and was not refused"
     except UnsupportedLayerError:
-        return None if refused else "a construction-only subclass was refused"
-    if refused:
-        return f"{type(layer).__name__} computes something else and was not refused"
+        if not computes_otherwise:
+            return "a construction-only subclass was refused"
+    clipper = PerExampleClipper(model, 0.05)
     stats = clipper.accumulate(losses, model, x, y)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
     clipper.close()
-    _, norms, _ = naive_clipped_sum(model, losses, x, y, 0.05)
-    if not torch.allclose(stats.norms, norms, rtol=1e-9):
-        return "construction-only subclass: norms differ from the per-example loop"
+    expected, norms, _ = naive_clipped_sum(model, losses, x, y, 0.05)
+    if not torch.allclose(stats.norms, norms, rtol=1e-9) or not torch.allclose(got, expected,
+                                                                               rtol=1e-9):
+        return f"{type(layer).__name__}: differs from the per-example loop"
     return None
 
 

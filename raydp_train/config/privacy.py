@@ -74,6 +74,9 @@ class PrivacyConfig(Section):
     lsg: LsgConfig | None = None
     lora: LoraConfig | None = None
     self_check: SelfCheckConfig = SelfCheckConfig()
+    # A trained module with no rule of its own: its parameters' per-example gradients by
+    # torch.func (per_example, exact, materialized for that module), or refused by name.
+    other_layers: Literal["per_example", "refuse"] = "per_example"
 
     @model_validator(mode="after")
     def _one_noise_spec(self) -> PrivacyConfig:

@@ -46,6 +46,7 @@ from raydp_train.privacy.covered_layers import (
     trained_names,
 )
 from raydp_train.privacy.layer_recording import LayerRecorder
+from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
 from raydp_train.privacy.random_state import random_state, restore_random_state
 from raydp_train.privacy.rounding import full_precision_matmuls, gamma
@@ -73,8 +74,11 @@ class MicroBatchStats(NamedTuple):
 class PerExampleClipper(LayerRecorder):
     """Accumulates sum_i clip(g_i, C) over micro-batches into a flat gradient buffer."""
 
-    def __init__(self, model: nn.Module, clip_norm: float, rules: dict | None = None):
-        """`rules` overrides the rule of chosen modules (LSG's low-rank carriers)."""
+    def __init__(self, model: nn.Module, clip_norm: float, rules: dict | None = None,
+                 other_layers: str = "per_example"):
+        """`rules` overrides the rule of chosen modules (LSG's low-rank carriers);
+        `other_layers` (privacy.other_layers): a module with no rule takes the per-example
+        path ("per_example") or is refused ("refuse")."""
         if not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         self.model = model
@@ -82,7 +86,10 @@ class PerExampleClipper(LayerRecorder):
         refuse_batch_second(model)
         refuse_compiled(model)
         refuse_state_from_the_batch(model)
-        self.layers = covered_layers(model, rules or {})
+        self.layers = covered_layers(model, rules or {}, other_layers)
+        self._records_call = {module for _, module, rule in self.layers if rule.records_call}
+        # The modules without a rule of their own, by name (the run record lists them).
+        self.per_example_path = [name for name, module, rule in self.layers if rule.records_call]
         self.ties = find_ties(self.layers)
         # A tied parameter is owned by several layers but trained (and slotted) once.
         owned = {id(p): p for _, module, _ in self.layers for p in own_trainable(module)}
@@ -93,10 +100,10 @@ class PerExampleClipper(LayerRecorder):
         first = self.parameters[0]
         self.flat_grad, self.slots = slot_views(self.layers, first)
         bound = {
-            id(module._parameters[name]): (module._parameters[name], view)
+            id(param): (param, view)
             for module, named in self.slots.items()
             for name, view in named.items()
-            if module._parameters.get(name) is not None
+            if (param := owned_parameters(module).get(name)) is not None
         }
         self._bound = list(bound.values())
         self.last_norm_parts: NormParts | None = None
@@ -161,7 +168,7 @@ class PerExampleClipper(LayerRecorder):
         flat = torch.zeros_like(self.flat_grad)
         for _, module, rule in self.layers:
             named = {name: gradients.get(id(p), torch.zeros_like(p))
-                     for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+                     for name, p in owned_parameters(module).items()}
             for slot, value in rule.slots_from_gradients(module, named).items():
                 self.slot_in(flat, module, slot).copy_(value.reshape(self.slots[module][slot].shape))
         return flat
@@ -171,7 +178,7 @@ class PerExampleClipper(LayerRecorder):
         when `flat` is one vector."""
         view = self.slots[module][slot]
         start = view.storage_offset() - self.flat_grad.storage_offset()
-        return flat[..., start : start + view.numel()].reshape(*flat.shape[:-1], *view.shape)
+        return flat[..., start : start + view.numel()].reshape((*flat.shape[:-1], *view.shape))
 
     def parameter_name(self, parameter: Tensor) -> str:
         """The qualified name of a trained parameter (a tied one's first name)."""
@@ -245,40 +252,6 @@ class PerExampleClipper(LayerRecorder):
         rounding = rounding + sum((term.rounding for term in ties), torch.zeros_like(rounding))
         summing = gamma(len(terms), torch.float64) * torch.stack(terms).abs().sum(0)
         return squared, rounding + summing
-
-    def _used_layers(self, batch_size: int) -> list:
-        """Layers that took part in the loss, after checking their example dimension."""
-        self._check_inputs_unchanged()
-        used = []
-        for name, module, rule in self.layers:
-            calls = self._calls.get(module)
-            if calls is None:
-                continue
-            for x in calls.inputs:
-                if x.shape[0] != batch_size:
-                    raise BatchDimensionError(
-                        f"module '{name}' ({type(module).__name__}) was called with leading "
-                        f"dimension {x.shape[0]} but the batch has {batch_size} examples; "
-                        "per-example clipping needs the example dimension first (e.g. pass "
-                        "position_ids of shape [B, T], not [1, T])"
-                    )
-            # A call whose output did not reach the loss contributes a zero gradient.
-            kept = [(x, g) for x, g in zip(calls.inputs, calls.output_grads) if g is not None]
-            if kept:
-                calls.inputs, calls.output_grads = [x for x, _ in kept], [g for _, g in kept]
-                used.append((name, module, rule))
-        return used
-
-    def _check_inputs_unchanged(self) -> None:
-        for name, module, _ in self.layers:
-            calls = self._calls.get(module)
-            for x, version in zip(calls.inputs, calls.input_versions) if calls else ():
-                if x._version != version:
-                    raise ValueError(
-                        f"the input of module '{name}' ({type(module).__name__}) was modified "
-                        "in place after the layer ran; per-example clipping needs layer inputs "
-                        "unchanged until the backward pass (use an out-of-place operation)"
-                    )
 
     def _check_losses(self, losses: Tensor) -> None:
         if not isinstance(losses, Tensor) or losses.dim() != 1:

@@ -9,8 +9,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
+from torch.nn.utils import parametrize
 
 from raydp_train.errors import UserError
+from raydp_train.privacy.owned_parameters import (
+    USES_CHILDREN_FUNCTIONALLY,
+    WHOLE_SUBTREE,
+    owned_parameters,
+)
+from raydp_train.privacy.per_example_path import PER_EXAMPLE_PATH
 from raydp_train.privacy.rule_registry import (
     Rule,
     UnsupportedLayerError,
@@ -52,7 +59,7 @@ def check_trained_set(model: nn.Module, built_with: dict[int, str]) -> None:
 
 
 def own_trainable(module: nn.Module) -> list[Tensor]:
-    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+    return list(owned_parameters(module).values())
 
 
 def refuse_batch_second(model: nn.Module) -> None:
@@ -103,27 +110,49 @@ def refuse_state_from_the_batch(model: nn.Module) -> None:
                 "max_norm")
 
 
-def covered_layers(model: nn.Module, rules: dict) -> list:
-    """(name, module, rule) for every module owning trainable parameters; refuse the rest."""
-    layers = []
+def covered_layers(model: nn.Module, rules: dict, other_layers: str = "per_example") -> list:
+    """(name, module, rule) for every module owning trainable parameters: its rule, else the
+    per-example path (`other_layers` "per_example"), else refused by name."""
+    layers, inside = [], set()
     for name, module in model.named_modules():
+        if module in inside:  # owned by a module on the per-example path, with its subtree
+            continue
+        rule = rules.get(module) or rule_for(module)
+        if rule is None and other_layers == "per_example":
+            rule = PER_EXAMPLE_PATH
+            if isinstance(module, USES_CHILDREN_FUNCTIONALLY):
+                WHOLE_SUBTREE.add(module)
+                inside |= set(module.modules()) - {module}
         params = own_trainable(module)
         if not params:
             continue
         label = name or "<root>"
-        rule = rules.get(module) or rule_for(module)
+        _refuse_parametrization(module, label)
         if rule is None:
+            names = ", ".join(f"'{n}'" for n in owned_parameters(module))
             raise UnsupportedLayerError(
-                f"module '{label}' ({type(module).__name__}) owns trainable parameters "
-                f"but per-example clipping has no rule for it{why_no_rule(module)}; "
-                f"supported: {supported_layers()}. Freeze it (requires_grad=False) or "
-                "replace it"
+                f"module '{label}' ({type(module).__name__}) owns trainable parameter(s) "
+                f"{names} but per-example clipping has no rule for it{why_no_rule(module)}; "
+                f"supported: {supported_layers()}. Set privacy.other_layers: per_example "
+                "(their per-example gradients by torch.func), freeze them "
+                "(requires_grad=False) or replace the module"
             )
         _refuse_one_parameter_twice(module, label)
         rule.check(module, label)
         _check_parameter_names(module, label, rule)
         layers.append((label, module, rule))
     return layers
+
+
+def _refuse_parametrization(module: nn.Module, label: str) -> None:
+    """torch.nn.utils.parametrize computes a weight from parameters held in a child
+    (`parametrizations.weight.original0`), called with no example in it."""
+    if isinstance(module, parametrize.ParametrizationList):
+        raise UnsupportedLayerError(
+            f"module '{label}' ({type(module).__name__}) re-parametrizes its owner's weight "
+            "(torch.nn.utils.parametrize, e.g. parametrizations.weight_norm): per-example "
+            "clipping has no rule for it, and it is called without the batch, so the "
+            "per-example path cannot follow it; remove the re-parametrization or freeze it")
 
 
 def _refuse_one_parameter_twice(module: nn.Module, label: str) -> None:
@@ -146,8 +175,7 @@ def _check_parameter_names(module: nn.Module, label: str, rule: Rule) -> None:
     """A trained parameter the rule does not know (weight_norm's `weight_g` and `weight_v`,
     spectral_norm's `weight_orig`) would get no gradient at all."""
     known = rule.parameter_names(module)
-    unknown = [n for n, p in module.named_parameters(recurse=False)
-               if p.requires_grad and n not in known]
+    unknown = [n for n in owned_parameters(module) if n not in known]
     if unknown:
         raise UnsupportedLayerError(
             f"module '{label}' ({type(module).__name__}) has trainable parameter(s) "
@@ -165,7 +193,7 @@ def slot_views(layers: list, like: Tensor) -> tuple[Tensor, dict[nn.Module, dict
     layout, size = [], 0
     for _, module, rule in layers:
         for name, shape in rule.slot_shapes(module).items():
-            param = module._parameters.get(name)
+            param = owned_parameters(module).get(name)
             key = id(param) if param is not None else (id(module), name)
             if key not in offsets:
                 offsets[key], size = size, size + shape.numel()

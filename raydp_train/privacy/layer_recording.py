@@ -16,7 +16,10 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from raydp_train.privacy.covered_layers import BatchDimensionError
+from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.rule_registry import LayerCalls
 
 
@@ -28,7 +31,9 @@ class LayerRecorder:
     _calls: dict[nn.Module, LayerCalls]
     _handles: dict[nn.Module, tuple]
     _ghost_leaf: Tensor
+    _records_call: set[nn.Module]  # modules whose rule keeps every argument and output
     parameters: list[Tensor]
+    layers: list  # (name, module, rule) of every covered layer
 
     def _hook(self, module: nn.Module) -> None:
         """Our pre-hook runs last before the forward (after any pre-hook of the user's that
@@ -54,19 +59,23 @@ class LayerRecorder:
         if not self._recording or not torch.is_grad_enabled():
             return
         own = self._swapped.setdefault(module, {})
-        for name, param in module._parameters.items():
-            if param is not None and param.requires_grad:
-                own[name] = param
-                module._parameters[name] = param.detach()
+        for name, param in owned_parameters(module).items():
+            owner, leaf = _owner(module, name)
+            own[name] = param
+            owner._parameters[leaf] = param.detach()
 
     def _restore_parameters(self, module: nn.Module) -> None:
-        module._parameters.update(self._swapped.pop(module, {}))
+        for name, param in self._swapped.pop(module, {}).items():
+            owner, leaf = _owner(module, name)
+            owner._parameters[leaf] = param
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
         self._restore_parameters(module)
         # Under no_grad (a reentrant checkpoint's first pass) a call adds no gradient; the
         # checkpoint's recomputation in the backward is recorded instead.
         recorded = self._recording and torch.is_grad_enabled()
+        if recorded and module in self._records_call:
+            return self._record_whole_call(module, args, kwargs, output)
         if not recorded or not isinstance(output, Tensor):
             return None
         layer_input = _layer_input(module, args, kwargs)
@@ -87,6 +96,64 @@ class LayerRecorder:
 
         return _hooked_output(output, keep_grad)
 
+    def _record_whole_call(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        """Every argument, and the gradient of every floating-point tensor of the output."""
+        layer_input = _layer_input(module, args, kwargs)
+        calls = self._calls.setdefault(module, LayerCalls())
+        calls.inputs.append(layer_input.detach())
+        calls.input_versions.append(layer_input._version)
+        calls.arguments.append(tree_map(
+            lambda x: x.detach() if isinstance(x, Tensor) else x, (args, kwargs)))
+        leaves, spec = tree_flatten(output)
+        floating = [i for i, x in enumerate(leaves)
+                    if isinstance(x, Tensor) and x.is_floating_point()]
+        grads: list[Tensor | None] = [None] * len(floating)
+        calls.output_grads.append(grads)
+        for k, i in enumerate(floating):
+            tensor = leaves[i] if leaves[i].requires_grad else leaves[i] + self._ghost_leaf
+
+            def keep_grad(grad: Tensor, k: int = k, shape=tensor.shape) -> None:
+                grads[k] = grad.detach().reshape(shape)
+
+            leaves[i] = _hooked_output(tensor, keep_grad)
+        return tree_unflatten(leaves, spec)
+
+    def _used_layers(self, batch_size: int) -> list:
+        """Layers that took part in the loss, after checking their example dimension."""
+        self._check_inputs_unchanged()
+        used = []
+        for name, module, rule in self.layers:
+            calls = self._calls.get(module)
+            if calls is None:
+                continue
+            for x in calls.inputs:
+                if x.shape[0] != batch_size:
+                    raise BatchDimensionError(
+                        f"module '{name}' ({type(module).__name__}) was called with leading "
+                        f"dimension {x.shape[0]} but the batch has {batch_size} examples; "
+                        "per-example clipping needs the example dimension first (e.g. pass "
+                        "position_ids of shape [B, T], not [1, T])"
+                    )
+            # A call whose output did not reach the loss contributes a zero gradient.
+            kept = [k for k, g in enumerate(calls.output_grads) if _reached_the_loss(g)]
+            if kept:
+                calls.inputs = [calls.inputs[k] for k in kept]
+                calls.output_grads = [calls.output_grads[k] for k in kept]
+                calls.arguments = [calls.arguments[k] for k in kept] if calls.arguments else []
+                used.append((name, module, rule))
+        return used
+
+    def _check_inputs_unchanged(self) -> None:
+        for name, module, _ in self.layers:
+            calls = self._calls.get(module)
+            for x, version in zip(calls.inputs, calls.input_versions) if calls else ():
+                if x._version != version:
+                    raise ValueError(
+                        f"the input of module '{name}' ({type(module).__name__}) was modified "
+                        "in place after the layer ran; per-example clipping needs layer inputs "
+                        "unchanged until the backward pass (use an out-of-place operation)"
+                    )
+
     @contextmanager
     def _ghost_differentiation(self) -> Iterator[None]:
         for p in self.parameters:
@@ -102,6 +169,12 @@ class LayerRecorder:
                 p.grad = None
             self._ghost_leaf.grad = None
             self.bind_grads()
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module that holds the (dotted) parameter `name` of `module`, and its own name."""
+    prefix, _, leaf = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), leaf
 
 
 def _layer_input(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
@@ -138,3 +211,10 @@ def _reshapes_whole_base(view: Tensor, base: Tensor) -> bool:
         view.is_contiguous() and base.is_contiguous() and view.numel() == base.numel()
         and view.storage_offset() == base.storage_offset()
     )
+
+
+def _reached_the_loss(output_grads) -> bool:
+    """A call's output gradient arrived (for a whole recorded call: any of its tensors')."""
+    if isinstance(output_grads, list):
+        return any(g is not None for g in output_grads)
+    return output_grads is not None

@@ -79,7 +79,13 @@ class Mechanism:
         summed into one flat buffer bound as the trained parameters' `.grad`."""
         from raydp_train.privacy.clipping import PerExampleClipper
 
-        return PerExampleClipper(model, clip_norm)
+        return PerExampleClipper(model, clip_norm, other_layers=self.other_layers)
+
+    @property
+    def other_layers(self) -> str:
+        """privacy.other_layers: a module without a rule takes the per-example path or is
+        refused."""
+        return getattr(self.privacy, "other_layers", "per_example")
 
     def refresh(self, step: int, epoch: int, force: bool = False) -> None:
         """Re-derive state that depends on the weights (every step, or when forced after a
@@ -128,7 +134,8 @@ class LowRankSparse(Mechanism):
         from raydp_train.privacy.lsg import LowRankSparseGradients
 
         self.lsg = LowRankSparseGradients(model, self.privacy.lsg, self.generator)
-        engine = PerExampleClipper(model, clip_norm, rules=self.lsg.rules)
+        engine = PerExampleClipper(model, clip_norm, rules=self.lsg.rules,
+                                   other_layers=self.other_layers)
         self.lsg.bind(engine.slots, engine.flat_grad)
         return engine
 

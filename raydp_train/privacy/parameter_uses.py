@@ -22,6 +22,7 @@ from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.rule_registry import UnsupportedLayerError
 
 
@@ -38,7 +39,7 @@ class ParameterUseAudit:
         # Each trained parameter's owners (several for tied weights) and first name.
         self.owner_of: dict[int, tuple[list[nn.Module], str]] = {}
         for module, name in owned.items():
-            for param_name, p in module.named_parameters(recurse=False):
+            for param_name, p in owned_parameters(module).items():
                 if p.requires_grad:
                     qualified = f"{name}.{param_name}" if name != "<root>" else param_name
                     self.owner_of.setdefault(id(p), ([], qualified))[0].append(module)

@@ -86,7 +86,8 @@ def gathered_product(picked: Tensor, inputs: Tensor, input_norms: tuple[Tensor, 
 
 def inner_product(first: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
     """<first_i, second_i> per example ([B, ...] each), in float64, and its rounding bound."""
-    first, second = first.flatten(1).double(), second.flatten(1).double()
+    first = first.reshape(first.shape[0], -1).double()
+    second = second.reshape(second.shape[0], -1).double()
     products = first * second
     bound = gamma(first.shape[1], torch.float64) * products.abs().sum(1)
     return products.sum(1), _SLACK * bound

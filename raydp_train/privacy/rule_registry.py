@@ -32,7 +32,11 @@ class LayerCalls:
     """What the hooks recorded for one module during one forward/backward."""
 
     inputs: list[Tensor] = field(default_factory=list)
-    output_grads: list[Tensor | None] = field(default_factory=list)
+    # One per call: the output's gradient; for a rule that `records_call`, a list with one
+    # gradient (or None) per floating-point tensor of the output.
+    output_grads: list = field(default_factory=list)
+    # For a rule that `records_call`: each call's (args, kwargs), tensors detached.
+    arguments: list[tuple[tuple, dict]] = field(default_factory=list)
     # Each input's version counter when the layer ran: an in-place change after that would
     # make the recorded input (a detached alias) differ from what the layer saw.
     input_versions: list[int] = field(default_factory=list)
@@ -46,7 +50,9 @@ def cast_recorded(calls: list[LayerCalls], dtype: torch.dtype) -> None:
     and V) is cast once, so they still share its Gram matrix."""
     cast: dict[tuple, Tensor] = {}
 
-    def to_dtype(x: Tensor | None) -> Tensor | None:
+    def to_dtype(x):
+        if isinstance(x, list):
+            return [to_dtype(y) for y in x]
         if x is None or not x.is_floating_point() or x.dtype == dtype:
             return x
         key = (x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
@@ -67,6 +73,10 @@ class Rule:
     c_i = min(1, C / ||g_i||) are known, `add_clipped_sum` in the same backward.
     """
 
+    # True: the hooks keep every argument of each call and the gradient of every tensor of its
+    # output (the per-example path), not only the first input and the output's gradient.
+    records_call = False
+
     def check(self, module: nn.Module, name: str) -> None:
         """Raise UnsupportedLayerError, naming the module `name`, for settings the rule cannot
         handle; by default there are none."""
@@ -78,7 +88,9 @@ class Rule:
 
     def slot_shapes(self, module: nn.Module) -> dict[str, torch.Size]:
         """The module's gradient slots by name; by default one per trainable parameter."""
-        return {n: p.shape for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        from raydp_train.privacy.owned_parameters import owned_parameters
+
+        return {n: p.shape for n, p in owned_parameters(module).items()}
 
     def slots_from_gradients(self, module: nn.Module,
                              gradients: dict[str, Tensor]) -> dict[str, Tensor]:

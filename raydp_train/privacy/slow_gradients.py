@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.random_state import restore_random_state
 
 
@@ -72,7 +73,7 @@ def named_slots(clipper) -> list[tuple[str, nn.Module, str]]:
     named = []
     for module, slots in clipper.slots.items():
         for slot in slots:
-            param = module._parameters.get(slot)
+            param = owned_parameters(module).get(slot)
             name = clipper.parameter_name(param) if param is not None else None
             named.append((name or f"{labels[module]}.{slot}", module, slot))
     return named

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from raydp_train.privacy.embedding_rule import EmbeddingRule
 from raydp_train.privacy.layer_rules import LinearRule
+from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.rounding import gathered_product, gram_product, inner_product
 from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError
 
@@ -67,7 +68,7 @@ def find_ties(layers: list) -> list[Tie]:
     names: dict[int, str] = {}
     for label, module, rule in layers:
         slots = rule.slot_shapes(module)
-        for name, p in module.named_parameters(recurse=False):
+        for name, p in owned_parameters(module).items():
             if p.requires_grad:
                 owners.setdefault(id(p), []).append((label, Use(module, rule, name), name in slots))
                 names.setdefault(id(p), name if label == "<root>" else f"{label}.{name}")

@@ -103,6 +103,8 @@ def training_statement(pipeline: Pipeline, result) -> dict:
         # privacy.self_check: each worker's checks of the engine and their seconds
         "engine_self_checks_per_worker": [
             {"checks": count, "seconds": seconds} for count, seconds in result.self_checks],
+        # Modules without a rule whose per-example gradients torch.func computed
+        "per_example_path_modules": result.per_example_path,
     }
     if hasattr(result.model, "pooling"):  # hf: the pooling model.pooling: null resolved to
         head = result.model.pooling_head

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from raydp_train.config.privacy import SelfCheckConfig
 from raydp_train.errors import UserError
-from raydp_train.privacy.mechanism import DpSgd
+from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sampling import poisson_sample, sampling_rate
 from raydp_train.train.charges import Charged, ChargeRefused, MemoryCharges, RunAccount
@@ -53,7 +53,7 @@ class PrivateStep:
                  steps_per_charge: int | None = None, accountant: str = "rdp",
                  loss: Callable[[nn.Module, Tensor, Tensor], Tensor] = cross_entropy_loss,
                  max_physical_batch: int = 256, seed: int | None = None,
-                 self_check: dict | None = None):
+                 self_check: dict | None = None, other_layers: str = "per_example"):
         """`num_examples`: N of the WHOLE training set (every worker's shard); `budget`: a
         `rt.open_budget(...)` handle made on the driver (None: nothing reserved, the steps
         are only counted); `steps_per_charge`: steps reserved at a time (default one epoch,
@@ -61,7 +61,8 @@ class PrivateStep:
         reproducible run, for tests only; `self_check`: privacy.self_check's fields (the
         engine against one backward per example on the first step and a random 1% of the
         others, as in a pipeline run: a loss or model that mixes examples is refused before
-        its noisy gradient is released)."""
+        its noisy gradient is released); `other_layers`: privacy.other_layers (a module
+        without a rule: "per_example" by torch.func, or "refuse")."""
         _check_arguments(clip_norm, noise_multiplier, expected_batch_size, num_examples, delta,
                          max_physical_batch)
         self.model, self.optimizer, self.loss = model, optimizer, loss
@@ -76,7 +77,7 @@ class PrivateStep:
         self._granted = 0  # steps reserved so far; steps_done never passes it
         self._last_chunk = 0  # steps of the newest reservation
         self._broadcast_parameters()
-        self.clipper = DpSgd().attach(model, clip_norm)
+        self.clipper = PerExampleClipper(model, clip_norm, other_layers=other_layers)
         device = self.clipper.flat_grad.device
         self._noise, _ = make_noise_generator("fast", seed, device)
         self._sampling, _ = make_generator(None if seed is None else seed + 1 + self.rank)

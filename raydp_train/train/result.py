@@ -35,5 +35,7 @@ class TrainResult:
     nodes: list[str] = field(default_factory=list)  # each rank's node (its IP address)
     # Each rank's (engine self-checks run, their seconds): privacy.self_check's cost.
     self_checks: list[tuple[int, float]] = field(default_factory=list)
+    # The modules on the per-example path (privacy.other_layers: per_example), by name.
+    per_example_path: list[str] = field(default_factory=list)
     data_shape: tuple = ()  # (one example's feature shape, classes): what rebuilds the model
     ray_result: object = None  # Ray Train's Result of the fit (set on the driver)

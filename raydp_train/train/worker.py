@@ -244,6 +244,7 @@ class WorkerRun:
         result.self_checks = context.gather((self.engine_checks.count,
                                              round(self.engine_checks.seconds, 3)))
         result.model_parameters = sum(p.numel() for p in self.model.parameters())
+        result.per_example_path = getattr(self.clipper, "per_example_path", [])
         result.checksums = context.gather(parameter_checksum(self.model))
         result.peak_rss_mb = context.gather(peak_rss_mb())
         return result

@@ -1,0 +1,159 @@
+"""The per-example path: a module without a rule, its own parameters' per-example gradients
+by `torch.func` (ARCHITECTURE.md §2.3, `privacy.other_layers: per_example`).
+
+For each call the hooks recorded (every argument and the gradient of the loss with respect to
+every tensor of the output), example i's gradient of the module's own trained parameters is
+
+    grad_i = VJP of  p -> functional_call(module, p, args_i)  at the output gradients of row i
+
+with args_i the call's arguments at row i (a batch of one), vmapped over i (`torch.func.vmap`;
+a module whose operators vmap cannot batch is looped over, example by example). Calls add up.
+The gradients are materialized [B, *parameter] for this module's own parameters only, and
+feed the same joint norm, clip factor and clipped sum as every other rule. A forward that draws
+random numbers (dropout) is refused: the recomputation would draw other ones.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from raydp_train.privacy.owned_parameters import owned_parameters
+from raydp_train.privacy.random_state import random_state
+from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError
+
+# The most memory one module's per-example gradients may take ([B, *parameters]): beyond it,
+# the module is refused by name (freeze it, register a rule, or lower the micro-batch).
+MEMORY_LIMIT_BYTES = 2 * 2**30
+
+
+class PerExamplePathRule(Rule):
+    """Any module's own trained parameters, per example, by torch.func."""
+
+    records_call = True  # the hooks keep every argument and every output tensor's gradient
+
+    def __init__(self):
+        self.labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def check(self, module: nn.Module, name: str) -> None:
+        self.labels[module] = name
+
+    def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
+        return tuple(owned_parameters(module))
+
+    def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
+        label = self.labels.get(module, type(module).__name__)
+        _check_memory(label, module, calls.inputs[0].shape[0], slots)
+        try:
+            grads = per_example_gradients(module, calls, tuple(slots))
+        except RandomForwardError:
+            raise UnsupportedLayerError(
+                f"module '{label}' ({type(module).__name__}) takes the per-example path "
+                "(privacy.other_layers: per_example) but its forward draws random numbers "
+                "(dropout in training mode), which the per-example recomputation would draw "
+                "again, differently; set its dropout to 0, or freeze its parameters") from None
+        calls.state["grads"] = grads
+        return sum(g.reshape(g.shape[0], -1).square().sum(1) for g in grads.values())
+
+    def add_clipped_sum(self, module, calls: LayerCalls, clip_factors: Tensor, slots) -> None:
+        for name, grads in calls.state["grads"].items():
+            slots[name].add_(torch.einsum("b,b...->...", clip_factors.to(grads.dtype), grads))
+
+    def per_example_gradient(self, module, calls: LayerCalls, slot: str) -> Tensor | None:
+        return calls.state["grads"][slot]
+
+
+PER_EXAMPLE_PATH = PerExamplePathRule()
+
+
+def per_example_gradients(module: nn.Module, calls: LayerCalls,
+                          names: tuple[str, ...]) -> dict[str, Tensor]:
+    """{parameter name: [B, *shape]} summed over the recorded calls."""
+    owned = owned_parameters(module)
+    params = {name: owned[name].detach() for name in names}
+    total: dict[str, Tensor] = {}
+    for (args, kwargs), output_grads in zip(calls.arguments, calls.output_grads):
+        if output_grads is None:
+            continue
+        batch = calls.inputs[0].shape[0]
+        # torch.func differentiates inside; no_grad keeps the outer autograd from recording
+        # the other layers' (trained) parameters along.
+        with torch.no_grad():
+            grads = _one_call(module, params, args, kwargs, output_grads, batch)
+        grads = {n: g.detach() for n, g in grads.items()}
+        total = {n: total[n] + g for n, g in grads.items()} if total else grads
+    return total
+
+
+def _one_call(module, params: dict, args: tuple, kwargs: dict, output_grads: list,
+              batch: int) -> dict[str, Tensor]:
+    leaves, spec = tree_flatten((args, kwargs))
+    batched = [isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == batch for x in leaves]
+    dtype = next(iter(params.values())).dtype
+    rows = [x.to(dtype) if x.is_floating_point() else x
+            for x, b in zip(leaves, batched) if b]
+    cotangents = list(output_grads)
+
+    def example(example_rows: list, example_cotangents: list) -> dict[str, Tensor]:
+        filled = iter(example_rows)
+        call_leaves = [next(filled).unsqueeze(0) if b else x for x, b in zip(leaves, batched)]
+        call_args, call_kwargs = tree_unflatten(call_leaves, spec)
+
+        def outputs(p):
+            return tuple(_tensors(functional_call(module, p, call_args, call_kwargs)))
+
+        values, pull_back = vjp(outputs, params)
+        seeds = tuple(torch.zeros_like(v) if g is None else g.unsqueeze(0).to(v.dtype)
+                      for v, g in zip(values, example_cotangents))
+        return pull_back(seeds)[0]
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*performance drop.*")
+        try:
+            return vmap(example, randomness="error")(rows, cotangents)
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as error:
+            if "random" in str(error).lower():
+                raise _draws_random_numbers(module) from None
+        return _loop(module, example, rows, cotangents, batch)
+
+
+def _loop(module, example, rows: list, cotangents: list, batch: int) -> dict[str, Tensor]:
+    """One example at a time, for operators vmap cannot batch (GRU); refuses randomness."""
+    per_example = []
+    for i in range(batch):
+        before = random_state()[0]
+        per_example.append(example([x[i] for x in rows],
+                                   [None if g is None else g[i] for g in cotangents]))
+        if not torch.equal(before, random_state()[0]):
+            raise _draws_random_numbers(module)
+    return {name: torch.stack([grads[name] for grads in per_example]) for name in per_example[0]}
+
+
+def _tensors(output) -> list[Tensor]:
+    """The floating-point tensors of a module's output, in `tree_flatten` order."""
+    leaves, _ = tree_flatten(output)
+    return [x for x in leaves if isinstance(x, Tensor) and x.is_floating_point()]
+
+
+class RandomForwardError(RuntimeError):
+    """The module's forward drew random numbers during the per-example recomputation."""
+
+
+def _draws_random_numbers(module: nn.Module) -> RandomForwardError:
+    return RandomForwardError(type(module).__name__)
+
+
+def _check_memory(label: str, module: nn.Module, batch: int, slots: dict) -> None:
+    size = batch * sum(view.numel() * view.element_size() for view in slots.values())
+    if size > MEMORY_LIMIT_BYTES:
+        raise UnsupportedLayerError(
+            f"module '{label}' ({type(module).__name__}) takes the per-example path, whose "
+            f"per-example gradients would take {size / 2**30:.1f} GiB for {batch} examples "
+            f"(more than {MEMORY_LIMIT_BYTES / 2**30:.0f} GiB); lower "
+            "training.max_physical_batch, freeze the module, or register a rule for it "
+            "(raydp_train.register_rule)")

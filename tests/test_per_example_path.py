@@ -1,0 +1,134 @@
+"""The per-example path (privacy/per_example_path.py): a module without a rule gets its own
+parameters' per-example gradients by torch.func, inside the same forward and backward, exact
+against the naive per-example loop (float64): a learned scale, a cls token, PReLU, Bilinear,
+ConvTranspose, Conv3d, EmbeddingBag, LSTM, GRU (looped: vmap cannot batch it),
+nn.MultiheadAttention (with its out_proj) and nn.TransformerEncoderLayer. Dropout inside such a
+module is refused by name; `other_layers: refuse` refuses the module; PrivateStep trains it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracles import assert_engine_is_the_per_example_loop
+from torch import nn
+
+import raydp_train as rt
+from raydp_train.privacy.clipping import PerExampleClipper, UnsupportedLayerError
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def losses(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+class FirstOutput(nn.Module):
+    """The first tensor of a module that returns a tuple (LSTM, GRU, attention)."""
+
+    def __init__(self, inner: nn.Module, last_token: bool = True):
+        super().__init__()
+        self.inner, self.last_token = inner, last_token
+
+    def forward(self, x):
+        out = self.inner(x, x, x)[0] if isinstance(self.inner, nn.MultiheadAttention) \
+            else self.inner(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return out[:, -1] if self.last_token else out
+
+
+class VisionStyle(nn.Module):
+    """A ViT-style model of its own: a cls token and a learned scale owned by the root,
+    torch's attention, an LSTM over the tokens, PReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 6))
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.attention = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.act = nn.PReLU()
+        self.lstm = nn.LSTM(6, 5, batch_first=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1) * self.scale
+        attended, _ = self.attention(x, x, x)
+        hidden, _ = self.lstm(self.act(attended))
+        return self.head(hidden[:, 0])
+
+
+MODELS = {
+    "vision-style (cls token, scale, attention, LSTM, PReLU)": (VisionStyle, (5, 4, 6)),
+    "PReLU": (lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), nn.Linear(6, 3)), (5, 4)),
+    "ConvTranspose2d": (lambda: nn.Sequential(nn.ConvTranspose2d(2, 3, 3), nn.Flatten(),
+                                              nn.Linear(75, 3)), (5, 2, 3, 3)),
+    "Conv3d": (lambda: nn.Sequential(nn.Conv3d(2, 2, 2), nn.Flatten(), nn.Linear(16, 3)),
+               (5, 2, 3, 3, 3)),
+    "GRU": (lambda: nn.Sequential(FirstOutput(nn.GRU(4, 5, batch_first=True)),
+                                  nn.Linear(5, 3)), (5, 6, 4)),
+    "TransformerEncoderLayer": (
+        lambda: nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0,
+                                                         batch_first=True),
+                              FirstOutput(nn.Identity()), nn.Linear(8, 3)), (5, 4, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("clip_norm", [1e-3, 1e3])  # every example clipped; none
+def test_modules_without_a_rule_are_exact_against_the_per_example_loop(name, clip_norm):
+    build, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = build().train()
+    x, y = torch.randn(*shape), torch.arange(shape[0]) % 3
+    assert_engine_is_the_per_example_loop(model, losses, x, y, clip_norm)
+    clipper = PerExampleClipper(model, clip_norm)
+    assert clipper.per_example_path  # the run record lists these
+    clipper.close()
+
+
+def test_an_embedding_bag_is_exact():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.EmbeddingBag(20, 4, mode="mean"), nn.Linear(4, 3))
+    ids, y = torch.randint(0, 20, (6, 5)), torch.arange(6) % 3
+    assert_engine_is_the_per_example_loop(model, losses, ids, y, 0.05)
+
+
+def test_attention_owns_its_out_projection_on_the_path():
+    """nn.MultiheadAttention reads `out_proj.weight` without calling out_proj: on the path it
+    owns it (one module, one slot each), instead of a stray use refused."""
+    clipper = PerExampleClipper(VisionStyle(), 1.0)
+    assert "attention" in clipper.per_example_path
+    assert "attention.out_proj" not in [name for name, _, _ in clipper.layers]
+    assert sorted(clipper.slots[clipper.model.attention]) == [
+        "in_proj_bias", "in_proj_weight", "out_proj.bias", "out_proj.weight"]
+
+
+def test_dropout_inside_a_module_on_the_path_is_refused_by_name():
+    torch.manual_seed(2)
+    model = nn.Sequential(FirstOutput(nn.MultiheadAttention(6, 2, dropout=0.5,
+                                                            batch_first=True)),
+                          nn.Linear(6, 3)).train()
+    clipper = PerExampleClipper(model, 1.0)
+    with pytest.raises(UnsupportedLayerError, match=r"module '0.inner' \(MultiheadAttention\)"
+                                                    r".*draws random numbers"):
+        clipper.accumulate(losses, model, torch.randn(4, 3, 6), torch.arange(4) % 3)
+
+
+def test_other_layers_refuse_refuses_by_name():
+    with pytest.raises(UnsupportedLayerError, match=r"module '<root>' \(VisionStyle\) owns "
+                                                    r"trainable parameter\(s\) 'cls_token', "
+                                                    r"'scale' .*privacy.other_layers"):
+        PerExampleClipper(VisionStyle(), 1.0, other_layers="refuse")
+
+
+def test_private_step_trains_the_model_with_the_self_check_on():
+    torch.manual_seed(3)
+    model = VisionStyle()
+    before = [p.detach().clone() for p in model.parameters()]
+    private = rt.PrivateStep(model, torch.optim.SGD(model.parameters(), lr=0.5), clip_norm=0.1,
+                             noise_multiplier=0.5, expected_batch_size=6, num_examples=60,
+                             delta=1e-3, seed=0, self_check={"step_fraction": 1.0})
+    for _ in range(2):
+        private.step(torch.randn(6, 4, 6), torch.arange(6) % 3)
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert private.steps_done == 2
