@@ -166,3 +166,11 @@ def test_a_block_and_its_marker_are_read(tmp_path):
         "python", "x = 1\n", "demo", "tests/test_x.py")
     assert (second.language, second.marker, second.line) == ("yaml", None, 8)
 
+
+
+def test_the_cluster_sections_say_how_to_submit_from_another_machine():
+    """The job server listens on loopback unless the head is started with --dashboard-host."""
+    readme = README.read_text().split("## A cluster", 1)[1].split("\n## ", 1)[0]
+    guide = (ROOT / "docs" / "guides" / "cluster.md").read_text()
+    for text in (readme, guide):
+        assert "--dashboard-host 0.0.0.0" in text and "another machine" in text
