@@ -1,8 +1,10 @@
 """A newcomer follows README.md's "Your own CSV and your own PyTorch model": in an empty
 folder, the three files as the README shows them and its four commands in order, with the
 installed `raydp-train` on the path, nothing else of the repository at hand. Each command
-succeeds and says what the README says it does, in well under the ten minutes the README
-promises a newcomer (on this 2-core machine)."""
+succeeds and says what the README says it does, in well under ten minutes on this 2-core
+machine. Then their third day with the run: `predict --data` reads the format its extension
+names (a Parquet file on a CSV run), `--output` writes the format its extension names, and
+an error names their file, never the cached Parquet copy of it."""
 
 import json
 import os
@@ -11,9 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.csv
+import pyarrow.parquet as pq
 import pytest
 from doc_blocks import marked_block
 
+from raydp_train.commands.cli import main
 from raydp_train.models.predictions import predict
 
 BIN = Path(sys.executable).parent
@@ -71,3 +76,39 @@ def test_the_readme_walk_from_an_empty_folder(tmp_path):
     assert f"accuracy                {accuracy:.4f}" in predicted
     result = predict(run_dir, folder / "patients_test.csv")
     assert result.accuracy == pytest.approx(accuracy, abs=1e-6)
+    _third_day(run_dir, folder, result.classes, accuracy, env)
+
+
+def _third_day(run_dir: Path, folder: Path, classes, accuracy: float, env: dict) -> None:
+    test = pyarrow.csv.read_csv(folder / "patients_test.csv")
+    pq.write_table(test, folder / "test.parquet")  # the same rows, as Parquet
+    pyarrow.csv.write_csv(test.drop_columns(["bmi"]), folder / "no_bmi.csv")
+    read = {"csv": pyarrow.csv.read_csv, "parquet": pq.read_table,
+            "json": lambda path: [json.loads(line) for line in path.read_text().splitlines()]}
+    for data, written in (("test.parquet", "csv"), ("patients_test.csv", "json"),
+                          ("patients_test.csv", "parquet")):
+        output = folder / f"predictions.{written}"
+        done = _shell(f"raydp-train predict {run_dir} --data {data} --output {output.name}",
+                      folder, env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"accuracy                {accuracy:.4f}" in done.stdout
+        table = read[written](output)
+        rows = table if written == "json" else table.to_pylist()
+        assert [row["prediction"] for row in rows] == list(classes), written
+        assert [row["row"] for row in rows] == list(range(len(classes)))
+
+    # The using-a-model guide's lines, as written.
+    for command in marked_block("docs/guides/using-a-model.md", "predict").splitlines():
+        done = _shell(command, folder, env)
+        assert done.returncode == 0, command + done.stdout + done.stderr
+        assert f"accuracy                {accuracy:.4f}" in done.stdout, command
+
+    refused = _shell(f"raydp-train predict {run_dir} --data patients_test.csv --output p.txt",
+                     folder, env)
+    assert refused.returncode == 2 and "--output: p.txt names no format" in refused.stderr
+    assert not (folder / "p.txt").exists()
+    assert main(["predict", str(run_dir), "--data", str(folder / "no_bmi.csv")]) == 2
+    missing = _shell(f"raydp-train predict {run_dir} --data no_bmi.csv", folder, env)
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert f"not in {folder / 'no_bmi.csv'};" in missing.stderr, missing.stderr
+    assert ".parquet" not in missing.stderr and "cache" not in missing.stderr
