@@ -174,3 +174,16 @@ def test_the_cluster_sections_say_how_to_submit_from_another_machine():
     guide = (ROOT / "docs" / "guides" / "cluster.md").read_text()
     for text in (readme, guide):
         assert "--dashboard-host 0.0.0.0" in text and "another machine" in text
+
+
+def test_the_design_page_is_architecture_md_up_to_its_module_map():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "repository_pages", ROOT / "docs" / "hooks" / "repository_pages.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    design = hook.design()
+    architecture = (ROOT / "ARCHITECTURE.md").read_text()
+    assert design.startswith(architecture.split("\n## 3. ", 1)[0].rstrip())
+    assert "\n## 2. The math" in design and "\n## 3. " not in design
