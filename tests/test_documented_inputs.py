@@ -34,6 +34,7 @@ RUN_ELSEWHERE = {
     "model.loss": "model.kind torch: tests/test_custom_model.py (the example on 2 workers)",
     "data.label_kind": "real and multi_hot: tests/test_label_kinds.py (a regression and a "
                        "multi-label run on 2 workers, predict)",
+    "data.max_rows": "tests/test_max_rows.py (a run on 2 workers)",
     "run.loggers": "tests/test_trackers.py (a run and a 2-trial sweep, the files read back)",
     "run.mlflow_tracking_uri": "tests/test_trackers.py (a local MLflow file store)",
 }
