@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint setup clean
+.PHONY: run test test-fast lint docs setup clean
 
 run: $(STAMP)
 	$(BIN)/raydp-train run pipelines/quickstart.yaml
@@ -28,9 +28,14 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not ray and not slow and not cluster"
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a missing
+# page or an API name the code no longer has fails the build. A few seconds.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 # The linter CI runs (pyproject.toml [tool.ruff]); the version is pinned in the test extra.
 lint: $(STAMP)
-	$(BIN)/ruff check raydp_train tests benchmarks pipelines
+	$(BIN)/ruff check raydp_train tests benchmarks pipelines docs
 
 setup: $(STAMP)
 
@@ -43,9 +48,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
 	($(BIN)/python -m pip install --quiet uv && \
-	  $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e ".[test]") || \
-	  $(BIN)/python -m pip install --quiet -e ".[test]"
+	  $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e ".[test,docs]") || \
+	  $(BIN)/python -m pip install --quiet -e ".[test,docs]"
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

@@ -189,6 +189,7 @@ def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = Fals
     """Run the pipeline's `tune:` sweep, every trial spending from its one budget; the
     SweepResult (trials, best trial, its model), or None when the budget cannot pay a trial.
     `datasets`: as run's (the Ray Datasets already tie this driver to its Ray)."""
+    from raydp_train.checks.preflight import check_before_ray
     from raydp_train.data.ray_datasets import with_ray_datasets
     from raydp_train.runs.locations import check_locations, warn_if_not_shared
     from raydp_train.runs.resources import connect
@@ -201,6 +202,7 @@ def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = Fals
                                      "num_samples, ...); see README")])
     check_locations(pipeline, source)
     check_loggers(pipeline, source)
+    check_before_ray(pipeline)
 
     def connect_and_warn() -> None:
         connect(address, pipeline.training, _cpus(pipeline), verbose)
@@ -246,7 +248,7 @@ def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source:
                  datasets: dict | None):
     """Every check before anything is spent (preflight); Ray first: text is tokenized by Ray
     Data, and Ray Datasets are written as Parquet. (pipeline reading them, Dataset, plan)."""
-    from raydp_train.checks.preflight import check_pipeline
+    from raydp_train.checks.preflight import check_before_ray, check_pipeline
     from raydp_train.data.ray_datasets import require_rows, with_ray_datasets
     from raydp_train.runs.locations import check_locations, warn_if_not_shared
     from raydp_train.runs.resources import connect
@@ -255,6 +257,7 @@ def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source:
         require_rows(pipeline, source)
     check_locations(pipeline, source)
     check_loggers(pipeline, source)
+    check_before_ray(pipeline)
     connect(address, pipeline.training, _cpus(pipeline), verbose)
     pipeline = with_ray_datasets(pipeline, datasets, source)
     warn_if_not_shared(pipeline, address)

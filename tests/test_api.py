@@ -1,5 +1,5 @@
-"""The Python API (issue 29): the README's Python block runs as written, its run spends what
-dp-accounting says, `raydp-train run` goes through the same function, and `import
+"""The Python API (issue 29): the Python blocks of README.md and of the API guide
+(docs/guides/python-api.md) run as written, their runs spend what dp-accounting says, `raydp-train run` goes through the same function, and `import
 raydp_train` imports neither torch nor Ray."""
 
 import contextlib
@@ -13,17 +13,13 @@ from pathlib import Path
 import dp_accounting
 import pytest
 import ray.train
+from doc_blocks import marked_block, output_labels
 
 import raydp_train as rt
 from raydp_train.commands.cli import main
 
 ROOT = Path(__file__).parents[1]
-MARKER = "<!-- python api: tests/test_api.py runs this block -->"
-
-
-def _readme_block() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return readme.split(MARKER, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+GUIDE = "docs/guides/python-api.md"
 
 
 def _quickstart_epsilon(epochs: int) -> float:
@@ -35,13 +31,29 @@ def _quickstart_epsilon(epochs: int) -> float:
     return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
 
 
-def test_the_readme_python_block_runs_as_written(ray_session, tmp_path, monkeypatch):
-    shutil.copytree(ROOT / "pipelines", tmp_path / "pipelines")
-    monkeypatch.chdir(tmp_path)
+def _run_block(page: str, marker: str, folder: Path, monkeypatch) -> tuple[dict, str]:
+    shutil.copytree(ROOT / "pipelines", folder / "pipelines")
+    monkeypatch.chdir(folder)
     namespace: dict = {}
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(_readme_block(), "README.md", "exec"), namespace)  # noqa: S102 (ours)
+        exec(compile(marked_block(page, marker), page, "exec"), namespace)  # noqa: S102 (ours)
+    return namespace, printed.getvalue()
+
+
+def test_the_readme_python_block_runs_as_written(ray_session, tmp_path, monkeypatch):
+    namespace, output = _run_block("README.md", "python api", tmp_path, monkeypatch)
+    result, plan = namespace["result"], namespace["plan"]
+    assert result.status == "completed" and not namespace["model"].training
+    assert result.epsilon == pytest.approx(_quickstart_epsilon(3), rel=1e-9)
+    assert result.epsilon == pytest.approx(plan.epsilon(), rel=1e-12)
+    assert output.splitlines()[0].split() == [str(plan.steps), str(plan.noise_multiplier),
+                                              str(plan.epsilon())]
+    assert f"{result.status} {result.epsilon} " in output
+
+
+def test_the_guides_python_block_runs_as_written(ray_session, tmp_path, monkeypatch):
+    namespace, output = _run_block(GUIDE, "python api guide", tmp_path, monkeypatch)
     result = namespace["result"]
     assert isinstance(result, rt.RunResult) and result.status == "completed"
     assert result.epsilon == pytest.approx(_quickstart_epsilon(3), rel=1e-9)
@@ -51,7 +63,6 @@ def test_the_readme_python_block_runs_as_written(ray_session, tmp_path, monkeypa
     assert isinstance(result.ray_result, ray.train.Result)  # Ray Train's, with its checkpoint
     assert result.checkpoint is not None and Path(result.checkpoint.path).is_dir()
     assert not namespace["model"].training
-    output = printed.getvalue()
     assert "refused: " in output and "missing.parquet" in output  # the typed error, one line
     assert f"run directory: {result.run_dir}" in output  # on_line's default prints
     assert "epoch   1/3" not in output  # on_epoch=None: no epoch rows
@@ -64,7 +75,11 @@ def test_the_cli_spends_what_the_api_does(ray_session, tmp_path, capsys):
     (run_dir,) = tmp_path.iterdir()
     epsilon = json.loads((run_dir / "privacy.json").read_text())["epsilon"]
     assert epsilon == pytest.approx(_quickstart_epsilon(3), rel=1e-9)
-    assert f"privacy spent           epsilon {epsilon:.4f}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"privacy spent           epsilon {epsilon:.4f}" in printed
+    # The summary README.md shows for `make run`: each of its lines, as this run prints it.
+    for label in output_labels(marked_block("README.md", "output")):
+        assert f"\n{label}  " in printed or f"\n  {label}  " in printed, label
 
 
 def test_the_api_names_stay_functions_once_every_module_is_loaded():

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+from doc_blocks import marked_block, output_labels
 
 from raydp_train.accounting.audit_bounds import (
     binomial_tail,
@@ -200,6 +201,9 @@ def test_audit_command_prints_the_claim_and_the_lower_bound(capsys):
     assert "empirical lower bound   " in out and "consistent              yes" in out
     assert "largest it could show   " in out and "with 4 + 4 held-out runs" in out
     assert "nothing spent" in out and "audit: 8/8 pairs of runs" in out
+    # The output docs/concepts/audit.md shows: each of its lines, as this audit prints it.
+    for label in output_labels(marked_block("docs/concepts/audit.md", "output")):
+        assert f"\n{label}  " in out, label
 
 
 def test_audit_command_json(capsys):

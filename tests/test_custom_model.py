@@ -163,3 +163,28 @@ def test_the_example_trains_on_two_workers_and_spends_what_dp_accounting_says(ra
     assert privacy["steps"] == int(2 * 1438 / 128) and privacy["workers"] == 2
     assert result.epsilon == pytest.approx(expected, rel=1e-9) and result.epsilon <= 3.0
     assert rt.load_model(result.run_dir)(torch.zeros(1, 1, 8, 8)).shape == (1, 10)
+
+
+BESIDE = {
+    "blocks.py": "from torch import nn\n\ndef head(width, classes):\n"
+                 "    return nn.Linear(width, classes)\n",
+    "shapes.py": "FLAT = 64\n",
+    "model.py": "from blocks import head\nfrom torch import nn\n\n"
+                "def build(num_classes):\n    from shapes import FLAT  # imported when called\n"
+                "    return nn.Sequential(nn.Flatten(), head(FLAT, num_classes))\n",
+}
+
+
+def test_a_factory_file_imports_the_files_beside_it(tmp_path, capsys):
+    folder = tmp_path / "my_models"
+    folder.mkdir()
+    for name, source in BESIDE.items():
+        (folder / name).write_text(source)
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(EXAMPLE.read_text().replace("models/digits_cnn.py:small_cnn",
+                                                    "my_models/model.py:build")
+                        .replace("kwargs: {channels: 8, groups: 2}", "kwargs: {}")
+                        .replace("  loss: models/digits_cnn.py:smoothed_cross_entropy", ""))
+    assert main(["validate", str(pipeline), "--check-model"]) == 0, capsys.readouterr().err
+    model = build_model(rt.Pipeline.from_yaml(pipeline).model, (1, 8, 8), 10)
+    assert isinstance(model[1], torch.nn.Linear) and model[1].in_features == 64

@@ -1,5 +1,5 @@
-"""Every field of README's pipeline reference runs through a real `raydp-train run` on a tiny
-dataset (issue 32), not only through validate: a few pipelines that together set every field,
+"""Every field of the pipeline reference (docs/reference/pipeline.md) runs through a real
+`raydp-train run` on a tiny dataset (issue 32), not only through validate: a few pipelines that together set every field,
 and a check (no Ray) that they do, so a field added to the schema fails here until a run uses
 it; `predict` rebuilds each model kind from these runs (tests/conftest.py's session fixture:
 they run once, and pytest-xdist keeps a file's tests on one worker). The churn run is a
@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from test_bad_inputs import MINILM, TINY_BERT
-from test_readme_reference import schema_fields
+from test_pipeline_reference import schema_fields
 
 from raydp_train.commands.cli import main
 from raydp_train.config.pipeline import Pipeline
@@ -34,6 +34,7 @@ RUN_ELSEWHERE = {
     "model.loss": "model.kind torch: tests/test_custom_model.py (the example on 2 workers)",
     "data.label_kind": "real and multi_hot: tests/test_label_kinds.py (a regression and a "
                        "multi-label run on 2 workers, predict)",
+    "data.max_rows": "tests/test_max_rows.py (a run on 2 workers)",
     "run.loggers": "tests/test_trackers.py (a run and a 2-trial sweep, the files read back)",
     "run.mlflow_tracking_uri": "tests/test_trackers.py (a local MLflow file store)",
 }

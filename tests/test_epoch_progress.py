@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import torch
 
-from raydp_train.commands.console import progress_printer
+from raydp_train.commands.console import epoch_printer, progress_printer
 from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.train import trainer, worker
 from raydp_train.train.context import LocalContext
@@ -58,6 +58,16 @@ def test_the_driver_prints_progress_apart_from_epoch_rows(tmp_path, capsys):
     line = capsys.readouterr().out
     assert "epoch   1/3" in line and "50/200 of the epoch's steps" in line
     assert "(30s, about 90s left)" in line
+
+
+def test_an_epoch_line_shows_the_epochs_own_time_and_the_time_elapsed(capsys):
+    show = epoch_printer(3)
+    row = {"steps": 10, "train_loss": 0.5, "test_accuracy": 0.9, "epsilon": 1.0}
+    for epoch, elapsed in ((1, 10.0), (2, 25.5), (3, 4.0)):  # 3: after the workers restarted
+        show({**row, "epoch": epoch, "elapsed_s": elapsed})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.rsplit("  ", 1)[1] for line in lines] == [
+        "(10.0s; 10.0s elapsed)", "(15.5s; 25.5s elapsed)", "(4.0s; 4.0s elapsed)"]
 
 
 def test_the_driver_reads_each_new_row_once_and_whole(tmp_path):

@@ -64,6 +64,20 @@ def test_label_names_become_the_saved_models_labels(tmp_path):
     assert saved.label2id == {"negative": 0, "positive": 1}
 
 
+def test_the_saved_tokenizer_truncates_where_the_run_did(tmp_path):
+    """data.max_length is the saved tokenizer's model_max_length: transformers' pipeline, with
+    truncation, cuts each text where the run did (not at the checkpoint's 512)."""
+    import transformers
+
+    from raydp_train.reports.run import save_hf_model
+
+    config = HFModel(kind="hf", name_or_path=MINILM, config=TINY_BERT, num_labels=2)
+    save_hf_model(build_hf_model(config, num_labels=2), config, tmp_path, max_length=12)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer.model_max_length == 12
+    assert len(tokenizer("a very long review " * 20, truncation=True)["input_ids"]) == 12
+
+
 def test_hf_model_needs_a_source():
     with pytest.raises(PipelineError, match="model.name_or_path: set name_or_path"):
         pipeline_from_dict({"name": "x", "data": {"source": "synthetic"},

@@ -1,6 +1,6 @@
 """Runs across Ray nodes in their own network namespaces, joined by shaped links
 (tests/cluster_nodes.py; issue 28). Needs root, `ip` and `tc`: skipped with the reason
-otherwise (README, "Running on a cluster")."""
+otherwise (docs/guides/cluster.md)."""
 
 import contextlib
 import itertools

@@ -1,6 +1,6 @@
-"""The engine inside the user's own Ray Train loop (issue 29): the README's TorchTrainer example
-runs as written on 2 workers and spends quickstart.yaml's epsilon (dp-accounting's), its
-budget counts the same; on 2 workers one step's clipped sum equals one backward pass per
+"""The engine inside the user's own Ray Train loop (issue 29): the TorchTrainer example of
+docs/guides/own-loop.md runs as written on 2 workers and spends quickstart.yaml's epsilon
+(dp-accounting's), its budget counts the same; on 2 workers one step's clipped sum equals one backward pass per
 example (float64) and its noise is ONE draw of std sigma*C; a budget refusal stops the loop
 before the refused steps; bad arguments are refused by name."""
 
@@ -12,19 +12,15 @@ from pathlib import Path
 import dp_accounting
 import pytest
 import torch
+from doc_blocks import marked_block
 from oracles import naive_clipped_sum
 from ray import cloudpickle
 
 import raydp_train as rt
 
 ROOT = Path(__file__).parents[1]
-MARKER = "<!-- own loop: tests/test_own_loop.py runs this block -->"
+GUIDE = "docs/guides/own-loop.md"
 N, B, C, SIGMA = 40, 10, 4.0, 3.0
-
-
-def _readme_block() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return readme.split(MARKER, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def _dp_accounting_epsilon(rate: float, sigma: float, steps: int, delta: float) -> float:
@@ -33,11 +29,11 @@ def _dp_accounting_epsilon(rate: float, sigma: float, steps: int, delta: float) 
     return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta)
 
 
-def test_the_readme_own_loop_runs_on_two_workers_and_spends_the_pipelines_epsilon(ray_session):
+def test_the_guides_own_loop_runs_on_two_workers_and_spends_the_pipelines_epsilon(ray_session):
     namespace = {"__name__": "readme_own_loop"}  # not importable: Ray pickles its functions
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(_readme_block(), "README.md", "exec"), namespace)  # noqa: S102 (ours)
+        exec(compile(marked_block(GUIDE, "own loop"), GUIDE, "exec"), namespace)  # noqa: S102
     metrics, status = namespace["result"].return_value, namespace["budget"].status()
     expected = _dp_accounting_epsilon(64 / 800, 2.0, 375, 1e-5)
     pipeline_epsilon = rt.validate(rt.Pipeline.from_yaml(ROOT / "pipelines/quickstart.yaml"))

@@ -87,3 +87,53 @@ def test_ray_failing_to_start_is_one_line_with_what_to_try(address, monkeypatch,
     assert "The current node timed out during startup" in lines[0]
     remedy = "could not join the Ray cluster" if address else "RAY_TMPDIR"
     assert remedy in lines[0]
+
+
+def _stop_at_ray_start(monkeypatch) -> list:
+    """ensure_ray stopped before it starts anything: what reached it, and the run exits 2."""
+    from raydp_train.train import trainer
+
+    reached = []
+
+    def not_started(*args, **kwargs):
+        reached.append(kwargs)
+        raise ResourceError("stopped here by the test")
+
+    monkeypatch.setattr(trainer, "ensure_ray", not_started)
+    return reached
+
+
+def test_more_workers_than_cpus_is_one_line_before_ray_starts(monkeypatch, capsys):
+    from raydp_train.commands.cli import main
+    from raydp_train.runs import resources
+
+    reached = _stop_at_ray_start(monkeypatch)
+    monkeypatch.setattr(resources, "local_cpus", lambda: 2)
+    monkeypatch.setattr(resources, "ray_running", lambda: False)  # as in a fresh process
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    argv = ["run", QUICKSTART, "--set", "training.workers=8"]  # stopped before Ray starts
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == ("warning: training.workers: 8 workers on this machine's 2 CPUs share "
+                        "them, so each step waits for the slowest (the same epsilon; up to 2 "
+                        "workers train faster here)")
+    assert reached and lines[1:] == ["error: stopped here by the test"]  # then Ray's start
+    argv[-1] = "training.workers=2"
+    assert main(argv) == 2
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_more_gpu_workers_than_gpus_is_refused_before_ray_starts(monkeypatch, capsys):
+    import torch
+
+    from raydp_train.commands.cli import main
+
+    reached = _stop_at_ray_start(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    argv = ["run", QUICKSTART, "--set", "training.use_gpu=true"]  # the quickstart's 2 workers
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: training.workers: 2 workers need a GPU each") and not reached
+    assert err.count("\n") == 1, err

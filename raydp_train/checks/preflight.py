@@ -51,6 +51,28 @@ def check_pipeline(pipeline: Pipeline, for_training: bool = True,
     return dataset, plan
 
 
+def check_before_ray(pipeline: Pipeline) -> None:
+    """What fails in a moment, checked before Ray starts (its start takes seconds, and the
+    other checks come after it): each file a file source names is there, and a torch model's
+    factory and loss load as functions."""
+    from pathlib import Path
+
+    from raydp_train.errors import DataError
+
+    data = pipeline.data
+    validation = getattr(data, "validation", None)
+    for field, value in (("data.path", getattr(data, "path", None)),
+                         ("data.test_path", getattr(data, "test_path", None)),
+                         ("data.validation.path", getattr(validation, "path", None))):
+        if value is not None and "://" not in value and not Path(value).is_file():
+            raise DataError(f"{field}: {data.source} file not found: {value}")
+    for field in ("factory", "loss"):
+        if getattr(pipeline.model, field, None) is not None:
+            from raydp_train.models.custom import load_function
+
+            load_function(getattr(pipeline.model, field), f"model.{field}")
+
+
 def _is_text(pipeline: Pipeline) -> bool:
     """A pretrained text model with its tokenizer (models.tokenizer_source, without importing
     torch)."""

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 
 def epoch_printer(epochs: int):
+    """Each epoch's row, ending in the epoch's own time and the time since the workers
+    started (`elapsed_s`); after a restart of the workers the clock starts again."""
+    last = {"elapsed_s": 0.0}
+
     def show(row: dict) -> None:
         validation = (f"val acc {row['validation_accuracy']:.4f}  "
                       if "validation_accuracy" in row else "")
+        elapsed = row["elapsed_s"]
+        took = elapsed - last["elapsed_s"] if elapsed >= last["elapsed_s"] else elapsed
+        last["elapsed_s"] = elapsed
         print(f"epoch {row['epoch']:>3}/{epochs}  step {row['steps']:>6}  "
               f"train loss {row['train_loss']:.4f}  {held_out_text(row)}  "
-              f"{validation}epsilon {row['epsilon']:.3f}  ({row['elapsed_s']:.1f}s)", flush=True)
+              f"{validation}epsilon {row['epsilon']:.3f}  ({took:.1f}s; {elapsed:.1f}s elapsed)",
+              flush=True)
     return show
 
 

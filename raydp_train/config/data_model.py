@@ -103,6 +103,7 @@ class ParquetData(Section):
     label_kind: Literal["class", "real", "multi_hot"] = "class"
     train_fraction: TrainFraction = 0.8  # used only when test_path is None
     random_state: Seed = 42
+    max_rows: int | None = Field(None, ge=2)  # of path's rows, a random_state-seeded subset
 
     @model_validator(mode="after")
     def _one_feature_source(self) -> ParquetData:

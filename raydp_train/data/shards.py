@@ -35,6 +35,8 @@ def file_splits(data) -> dict[str, Path] | None:
     `validation.fraction`): those are read and split in memory (data/sources.py)."""
     if data.source != "parquet" or data.test_path is None:
         return None
+    if getattr(data, "max_rows", None) is not None:  # a subset, read by the driver: small
+        return None
     validation = data.validation
     if validation is not None and validation.path is None:
         return None

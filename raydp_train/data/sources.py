@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raydp_train.data.columns import DataError, numeric_rows, one_line, text_labels
-from raydp_train.data.table_files import as_parquet
+from raydp_train.data.table_files import as_parquet, with_max_rows
 from raydp_train.data.targets import label_kind
 
 
@@ -81,7 +81,8 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
     without Ray: the token tensors are then zeros of the right shape, for checks, not training.
     """
     loaders = {"synthetic": _synthetic, "sklearn_digits": _digits, "parquet": _parquet}
-    config = as_parquet(config)  # csv / json: their Parquet copies (data/table_files.py)
+    # csv / json: their Parquet copies; data.max_rows: a subset (data/table_files.py)
+    config = with_max_rows(as_parquet(config))
     reader = _Reader(config, tokenizer, tokenize)
     features, labels, test_features, test_labels = loaders[config.source](config, reader)
     validation = _validation_file(config, reader)

@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv
 import pyarrow.json
@@ -41,6 +42,35 @@ def as_parquet(config):
         copy = parquet_copy(Path(validation.path), config.source, "data.validation.path")
         update["validation"] = validation.model_copy(update={"path": str(copy)})
     return config.model_copy(update=update)
+
+
+def with_max_rows(config):
+    """`config` (a data section, its files Parquet) with `path` replaced by a subset of at
+    most `max_rows` of its rows, drawn with `random_state` and kept in file order: a copy in
+    the cache, keyed by the file, the count and the seed, so every reader on a machine reads
+    the same rows. Unchanged without max_rows, or when the file is not more rows than that
+    (or cannot be read: its reader then says why, naming the file)."""
+    limit = getattr(config, "max_rows", None)
+    if limit is None or config.path is None:
+        return config
+    path = Path(config.path)
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError):
+        return config
+    if rows <= limit:
+        return config
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{limit}|"
+                         f"{config.random_state}".encode()).hexdigest()[:24]
+    target = cache_folder("subsets") / key / path.name
+    if not target.is_file():
+        keep = np.random.default_rng(config.random_state).choice(rows, limit, replace=False)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}")
+        pq.write_table(pq.read_table(path).take(np.sort(keep)), partial)
+        os.replace(partial, target)  # whole or absent, even with two readers at once
+    return config.model_copy(update={"path": str(target)})
 
 
 def parquet_copy(path: Path, source: str, field: str) -> Path:

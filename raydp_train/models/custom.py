@@ -84,6 +84,12 @@ def training_loss(config, kind) -> Callable[[nn.Module, Tensor, Tensor], Tensor]
 def _from_file(path: Path, field: str):
     if not path.is_file():
         raise CustomModelError(f"{field}: file not found: {path}")
+    # Its folder on the import path, as for a script run from it: the file imports the files
+    # beside it (`from layers import Block`), at its top or inside its functions, on every
+    # worker that loads it.
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     # One module per file, under a name of its own: loading it twice gives the same classes.
     name = "raydp_train_user_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     if name in sys.modules:

@@ -1,7 +1,7 @@
 """`raydp-train predict RUN_DIR --data FILE`, and `load_model(RUN_DIR)` for Python: a run's
-released classifier, rebuilt as the pipeline built it, on a Parquet file laid out as the
-run's training data (the same columns; the labels, where the file has them, give the
-accuracy). Predicting with a released model is post-processing: it spends no privacy.
+released classifier, rebuilt as the pipeline built it, on a file laid out as the run's
+training data (the same columns; the labels, where the file has them, give the accuracy),
+in the format its extension names (.parquet, .csv, .json), as `--output` is written. Predicting with a released model is post-processing: it spends no privacy.
 
 Non-Hugging Face kinds are rebuilt from `pipeline.yaml` and `model.pt`, with the input shape
 and class count the run recorded (`record.json: model`); a Hugging Face run from its saved
@@ -26,6 +26,20 @@ class PredictError(UserError, ValueError):
     """The run directory or the data file cannot be used for predictions."""
 
 
+# A file's format, by its extension: a Parquet file is read as Parquet on a CSV run too.
+FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".json": "json",
+           ".jsonl": "json"}
+
+
+def file_format(path: Path, field: str, default: str | None = None) -> str:
+    """The format `path`'s extension names, else `default`; neither: refused, naming it."""
+    found = FORMATS.get(path.suffix.lower(), default)
+    if found is None:
+        raise PredictError(f"{field}: {path} names no format by its extension; end it in one "
+                           f"of {', '.join(FORMATS)}")
+    return found
+
+
 @dataclass
 class Predictions:
     # [N] the predicted class of each row; [N, K] values (label_kind real) or 0/1 per label
@@ -43,25 +57,47 @@ def add_predict_command(commands, parents: list) -> None:
     command = commands.add_parser("predict", help=summary, description=summary, parents=parents)
     command.add_argument("run_dir", metavar="RUN_DIR")
     command.add_argument("--data", required=True, metavar="FILE",
-                         help="a Parquet file with the run's feature (and label) columns")
+                         help="a file with the run's feature (and label) columns: .parquet, "
+                              ".csv or .json by its extension (else the run's own format)")
     command.add_argument("--output", metavar="FILE",
-                         help="write the predictions here (Parquet: row, prediction)")
+                         help="write the predictions here (row, prediction), in the format "
+                              "its extension names: .parquet, .csv or .json (JSON lines)")
     command.set_defaults(command=predict_command)
 
 
 def predict_command(args: argparse.Namespace) -> int:
+    if args.output:
+        file_format(Path(args.output), "--output")  # refused before any work
     result = predict(Path(args.run_dir), Path(args.data))
     print(f"{len(result.classes)} rows predicted")
     for name, value in result.metrics.items():
         print(f"{name:<23} {value:.4f}")
     if args.output:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.table({"row": np.arange(len(result.classes)),
-                                 "prediction": _column(result.classes)}), args.output)
+        write_predictions(result.classes, Path(args.output))
         print(f"wrote {args.output}")
     return 0
+
+
+def write_predictions(predicted: np.ndarray, path: Path) -> None:
+    """Columns row and prediction, in the format `path`'s extension names."""
+    import pyarrow as pa
+
+    table = pa.table({"row": np.arange(len(predicted)), "prediction": _column(predicted)})
+    written = file_format(path, "--output")
+    if written == "csv":
+        if predicted.ndim > 1:
+            raise PredictError(f"--output: {path}: a CSV cell holds one value, and each "
+                               f"prediction is {predicted.shape[1]} values; write .parquet or "
+                               ".json")
+        import pyarrow.csv
+
+        pyarrow.csv.write_csv(table, path)
+    elif written == "json":
+        path.write_text("".join(json.dumps(row) + "\n" for row in table.to_pylist()))
+    else:
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, path)
 
 
 def predict(run_dir: Path, data: Path) -> Predictions:
@@ -164,8 +200,10 @@ def _read(pipeline, data: Path, width: int | None):
                            f"trained on data.source {kind}")
     if not data.is_file():
         raise PredictError(f"--data: {data.resolve()} is not a file")
-    if kind in CONVERTED:  # a file of the run's own format, read as the run read its files
-        data = parquet_copy(data, kind, "--data")
+    given_file = data.resolve()
+    given = file_format(data, "--data", default=kind)
+    if given in CONVERTED:  # read as a run reads its csv or json files
+        data = parquet_copy(data, given, "--data")
     labelled = _has_labels(pipeline, data)
     with tempfile.TemporaryDirectory() as scratch:
         source = data if labelled else _unlabeled_copy(pipeline, data, Path(scratch), width)
@@ -173,9 +211,17 @@ def _read(pipeline, data: Path, width: int | None):
         raw["data"].update(source="parquet", path=str(source), test_path=str(source),
                            validation=None)
         raw["tune"] = None  # a sweep's metric needs the validation split dropped here
-        reading = pipeline_from_dict(raw, source=str(data))
-        return load_data(reading.data, width or reading.model.num_classes,
-                         tokenizer_source(reading.model)), labelled
+        try:
+            reading = pipeline_from_dict(raw, source=str(given_file))
+            return load_data(reading.data, width or reading.model.num_classes,
+                             tokenizer_source(reading.model)), labelled
+        except UserError as error:  # the user's file by its name, not a copy's
+            message = str(error)
+            for copy in {str(source), str(data)} - {str(given_file)}:
+                message = message.replace(copy, str(given_file))
+            if message == str(error):
+                raise
+            raise PredictError(message) from error
 
 
 def _has_labels(pipeline, data: Path) -> bool:

@@ -149,7 +149,8 @@ def write_run_record(
     torch.save(model.state_dict(), run_dir / "model.pt")
     if pipeline.model.kind == "hf":
         save_hf_model(model, pipeline.model, run_dir / "model",
-                      getattr(pipeline.data, "label_names", None))
+                      getattr(pipeline.data, "label_names", None),
+                      getattr(pipeline.data, "max_length", None))
     mechanism.save_extras(result.model, run_dir)
     return path
 
@@ -167,9 +168,12 @@ def locations_statement(run_dir: Path, pipeline: Pipeline) -> dict:
     return {"run_dir": str(Path(run_dir).resolve()), "budget_ledger": ledger}
 
 
-def save_hf_model(model, config, folder: Path, label_names: list[str] | None = None) -> None:
+def save_hf_model(model, config, folder: Path, label_names: list[str] | None = None,
+                  max_length: int | None = None) -> None:
     """`save_pretrained` (+ the tokenizer): loadable by transformers alone, no raydp_train.
-    `label_names` (data.label_names) become the saved config's id2label / label2id."""
+    `label_names` (data.label_names) become the saved config's id2label / label2id;
+    `max_length` (data.max_length) the tokenizer's, so that transformers truncates each text
+    where the run did."""
     if label_names is not None:
         model.model.config.id2label = dict(enumerate(label_names))
         model.model.config.label2id = {name: i for i, name in enumerate(label_names)}
@@ -180,7 +184,10 @@ def save_hf_model(model, config, folder: Path, label_names: list[str] | None = N
     if config.name_or_path is not None:
         from raydp_train.models.hf_files import load_tokenizer
 
-        load_tokenizer(config).save_pretrained(folder)
+        tokenizer = load_tokenizer(config)
+        if max_length is not None:
+            tokenizer.model_max_length = max_length
+        tokenizer.save_pretrained(folder)
 
 
 def save_mean_pooled(model, folder: Path) -> None:

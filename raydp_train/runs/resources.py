@@ -5,7 +5,9 @@ waits for GPUs that never come)."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 
 from raydp_train.errors import UserError
 
@@ -50,13 +52,38 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 def check_local_gpu(training) -> None:
-    """Before starting an embedded Ray: its GPUs are this machine's."""
+    """Before starting an embedded Ray: its GPUs are this machine's, one for each worker."""
     import torch
 
     if training.use_gpu and not torch.cuda.is_available():
         raise ResourceError("training.use_gpu: true, but this machine has no GPU that torch can "
                             "use (torch.cuda.is_available() is False); set it to false or run "
                             "on a cluster with GPUs (--address)")
+    if training.use_gpu and torch.cuda.device_count() < training.workers:
+        raise ResourceError(f"training.workers: {training.workers} workers need a GPU each "
+                            f"(training.use_gpu: true), but this machine has "
+                            f"{torch.cuda.device_count()}; lower training.workers or run on a "
+                            "cluster with more GPUs (--address)")
+
+
+def local_cpus() -> int:
+    """The CPUs this process may run on (a container's or taskset's share, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def ray_running() -> bool:
+    """Ray is initialized in this process already (then its resources are checked instead)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def warn_if_oversubscribed(training, cpus: int) -> None:
+    """Before starting an embedded Ray: more workers than this machine's CPUs still run (the
+    embedded Ray is given a CPU for each), but share them; one line says so."""
+    if training.workers > cpus:
+        print(f"warning: training.workers: {training.workers} workers on this machine's {cpus} "
+              f"CPUs share them, so each step waits for the slowest (the same epsilon; up to "
+              f"{cpus} workers train faster here)", file=sys.stderr, flush=True)
 
 
 def check_cluster(training) -> None:
@@ -82,6 +109,8 @@ def connect(address: str | None, training, num_cpus: int, verbose: bool = False)
     check_address(address)
     if not address:
         check_local_gpu(training)
+        if not ray_running():  # an embedded Ray is about to start, on this machine's CPUs
+            warn_if_oversubscribed(training, local_cpus())
     try:
         ensure_ray(address, num_cpus=num_cpus, verbose=verbose)
     except UserError:
