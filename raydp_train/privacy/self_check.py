@@ -3,27 +3,26 @@
 The one-backward engine (clipping.py) is exact on every pattern its rules know; a model can
 hold a pattern nobody foresaw, or mix the examples of a batch. So on a real micro-batch,
 before anything of it is released, the check tests the invariant the privacy analysis rests
-on: for examples j drawn at random from the batch,
+on, for a set J of examples drawn at random from the batch:
 
-    S(batch) - S(batch without j) = c_j g_j,   ||c_j g_j|| <= C,   c_j <= min(1, C / ||g_j||)
+    S(batch) - S(batch without J) = sum_{j in J} c_j g_j,   c_j <= min(1, C / ||g_j||)
 
 where S is the engine's clipped sum, c_j its clip factor for j and g_j = grad of loss_j
-computed the slow way (autograd, example j alone). "Without j": row j's loss weighs nothing
-and its input is replaced by another row's, so nothing of example j is left in the batch; a
-model that mixes examples (in training mode only, from row 2 on, by any means) changes the
-other rows' gradients and fails the first equation. One more pass removes a random half H of
-the rows at once: every other row's per-example norm must stay as it was, and the rows of H
-must get none (a kept row's loss reaching a removed row's activations mixes them). Example j's slow forward runs in a batch
-of the engine's shape whose every row is example j: row j rounds as in the engine's forward
-(a batch of 1 rounds otherwise, and a ReLU input within rounding of 0 took the other branch).
+computed the slow way (autograd, one backward per example). "Without J": their losses weigh
+nothing and their inputs are replaced by other rows', so nothing of them is left in the
+batch; a model that mixes examples (in training mode only, from row 2 on, by any means)
+changes the other rows' gradients and fails the equation. One more pass removes a random half
+H of the rows at once: every other row's per-example norm must stay as it was, and the rows of
+H must get none (a kept row's loss reaching a removed row's activations mixes them).
 
-Every pass runs in the model's own mode (training, dropout on) from the same random state, so
-each row draws the same dropout mask in every pass; the full pass IS the micro-batch's
-release (`keep_pass`), and the random state after the check is the one after that pass. A
-disagreement beyond the tolerance of the forward's dtype names the parameters: those whose
-share of S(batch) - S(batch without j) differs, and those whose share of the norm differs
-(each layer with the layers it shares parameters with). The engine may clip more than the
-slow norm asks (its clip factor adds a bound on the rounding of Gram forms), never less.
+Every pass runs in the model's own mode (training, dropout on) from the same random state and
+in the batch's shape, so each row draws the same dropout mask and rounds alike in every pass;
+the full pass IS the micro-batch's release (`keep_pass`), and the random state after the
+check is the one after that pass. A disagreement beyond the tolerance of the forward's dtype
+names the parameters: those whose share of the removal differs, and those whose share of the
+norm differs (each layer with the layers it shares parameters with). The engine may clip
+more than the slow norm asks (its clip factor adds a bound on the rounding of Gram forms),
+never less.
 """
 
 from __future__ import annotations
@@ -60,8 +59,8 @@ class SelfCheckReport:
     tolerance: float
     norm_error: float = 0.0  # max |engine - slow| / max(slow norm, C): engine norm too large,
     #                          or its clip basis below the slow norm
-    sum_error: float = 0.0  # max over j of ||dS_j - c_j g_j|| / C
-    sensitivity: float = 0.0  # max over j of ||S(batch) - S(batch without j)|| / C
+    sum_error: float = 0.0  # ||S(batch) - S(batch without J) - sum_J c_j g_j|| / C
+    sensitivity: float = 0.0  # max over j in J of c_j ||g_j|| / C
     mixing_error: float = 0.0  # removing half the rows: max change of another row's norm
     norm_parameters: list[str] = field(default_factory=list)  # whose share of a norm differs
     sum_parameters: list[str] = field(default_factory=list)  # whose leave-one-out differs
@@ -77,13 +76,13 @@ class SelfCheckReport:
     def message(self) -> str:
         named = "; ".join(part for part in (
             self.norm_parameters and f"per-example norms differ in {_listed(self.norm_parameters)}",
-            self.sum_parameters and "removing one example changes the clipped sum in "
+            self.sum_parameters and "removing the examples changes the clipped sum in "
             f"{_listed(self.sum_parameters)}",
         ) if part) or "the difference is spread over every parameter"
         return (
             f"privacy.self_check: removing one example from the batch does not remove exactly "
-            f"its own clipped gradient ({self.examples} examples drawn at random; change "
-            f"{self.sensitivity:.3g} C, off from its clipped gradient by {self.sum_error:.2g} C; "
+            f"its own clipped gradient ({self.examples} examples drawn at random, the largest "
+            f"{self.sensitivity:.3g} C; the sum without them off by {self.sum_error:.2g} C; "
             f"norms off by {self.norm_error:.2g}; removing half the batch moved the other "
             f"rows' norms by {self.mixing_error:.2g}; tolerance {self.tolerance:.2g}): {named}. "
             "Nothing was released. The model mixes the examples of a batch (batch statistics, "
@@ -122,8 +121,7 @@ def compare_with_per_example(
         basis = clipper.last_clip_basis
         factors = clipper.last_clip_factors
         parts = clipper.last_norm_parts
-        removed = [_removal(clipper, compute_losses, args, [j], chooser, first_state, full)[0]
-                   for j in chosen]
+        removed = _removal(clipper, compute_losses, args, chosen, chooser, first_state, full)[0]
         report.mixing_error = _half_removed(clipper, compute_losses, args, chooser,
                                             first_state, full, stats.norms)
         slow = slow_way(clipper, compute_losses, args, chosen, first_state)
@@ -186,7 +184,7 @@ def _half_removed(clipper, compute_losses, args: tuple, chooser, state, full: Te
 
 
 def _compare(clipper, report: SelfCheckReport, chosen: list[int], engine_norms: Tensor,
-             basis: Tensor, factors: Tensor, parts, removed: list[Tensor], slow: SlowWay,
+             basis: Tensor, factors: Tensor, parts, removed: Tensor, slow: SlowWay,
              full: Tensor) -> None:
     if not chosen:
         return
@@ -200,21 +198,21 @@ def _compare(clipper, report: SelfCheckReport, chosen: list[int], engine_norms: 
     over = (reported - slow.norms).clamp(min=0)
     under = (slow.norms - clip_basis).clamp(min=0)
     report.norm_error = float(torch.maximum(over, under).max()) / scale
-    # Summing B rows rounds by about eps ||S||: removing one row moves that rounding too.
+    # Summing B rows rounds by about eps ||S||: removing rows moves that rounding too.
     allowance = 4 * torch.finfo(full.dtype).eps * square(full) ** 0.5 / clip_norm
+    expected = sum(slow.gradients[row] * float(factors[j]) for row, j in enumerate(chosen))
+    error = square(removed - expected) ** 0.5 / clip_norm
+    report.sum_error = max(error - allowance, 0.0)
+    report.sensitivity = max(float(factors[j]) * float(slow.norms[row])
+                             for row, j in enumerate(chosen)) / clip_norm
     wrong_slots = set()
-    for row, j in enumerate(chosen):
-        expected = slow.gradients[row] * float(factors[j])
-        error = square(removed[row] - expected) ** 0.5 / clip_norm
-        report.sum_error = max(report.sum_error, max(error - allowance, 0.0))
-        report.sensitivity = max(report.sensitivity, square(removed[row]) ** 0.5 / clip_norm)
-        if error - allowance > report.tolerance:
-            wrong_slots |= {
-                name for name, module, slot in named_slots(clipper)
-                if square(clipper.slot_in(removed[row], module, slot)
-                           - clipper.slot_in(expected, module, slot)) ** 0.5
-                > report.tolerance * clip_norm
-            }
+    if report.sum_error > report.tolerance:
+        wrong_slots = {
+            name for name, module, slot in named_slots(clipper)
+            if square(clipper.slot_in(removed, module, slot)
+                      - clipper.slot_in(expected, module, slot)) ** 0.5
+            > report.tolerance * clip_norm
+        }
     if report.passed:
         return
     report.sum_parameters = sorted(wrong_slots)

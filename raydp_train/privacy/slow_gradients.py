@@ -1,9 +1,9 @@
 """The slow way: each chosen example's gradient by one backward pass of its own, laid out
 in the clipping engine's slots (§2.3), for the self-check (self_check.py).
 
-Example j's forward runs in a batch of the engine's shape whose every row is example j, its
-loss taken at row j: row j rounds as in the engine's forward, and a model that mixes rows
-cannot borrow another example's data there.
+The batch's forward runs once, from the engine's random state and in its shape, so each row
+rounds and draws its dropout mask as in the engine's forward (a batch of 1 rounds otherwise:
+a ReLU input within rounding of 0 takes the other branch); then one backward per example.
 """
 
 from __future__ import annotations
@@ -27,14 +27,17 @@ class SlowWay:
 
 
 def slow_way(clipper, compute_losses, batch: tuple, chosen: list[int], state) -> SlowWay:
-    """One backward per chosen example: its gradient, norm and share of each group (norms
+    """One forward of the batch (from the engine's random state: the same dropout masks),
+    then one backward per chosen example: its gradient, norm and share of each group (norms
     summed slot by slot: one float32 norm over millions of numbers can be off by 1e-4)."""
     groups = [(modules, group_slots(clipper, modules)) for modules in layer_groups(clipper)]
     squares = torch.zeros(len(chosen), len(groups), dtype=torch.float64)
     gradients = []
+    restore_random_state(state)
+    losses = compute_losses(*batch)
     for row, j in enumerate(chosen):
-        restore_random_state(state)
-        gradient = clipper.slot_vector(example_gradients(clipper, compute_losses, batch, j))
+        last = row == len(chosen) - 1
+        gradient = clipper.slot_vector(example_gradients(clipper, losses[j], keep_graph=not last))
         for k, (_, members) in enumerate(groups):
             squares[row, k] = sum(square(clipper.slot_in(gradient, module, slot))
                                   for _, module, slot in members)
@@ -79,21 +82,14 @@ def named_slots(clipper) -> list[tuple[str, nn.Module, str]]:
     return named
 
 
-def example_gradients(clipper, compute_losses, batch: tuple, j: int) -> dict[int, Tensor]:
-    """Example j's gradients of the trained parameters, by autograd alone: its loss in a
-    batch of `batch`'s shape that holds it alone (the engine's hooks record nothing outside
-    its own passes)."""
-    loss = compute_losses(*alone(batch, j))[j]
+def example_gradients(clipper, loss: Tensor, keep_graph: bool) -> dict[int, Tensor]:
+    """One example's loss differentiated by autograd alone, with respect to the trained
+    parameters (the engine's hooks record nothing outside its own passes)."""
     if not loss.requires_grad:
         return {}
-    grads = torch.autograd.grad(loss, clipper.parameters, allow_unused=True)
+    grads = torch.autograd.grad(loss, clipper.parameters, allow_unused=True,
+                                retain_graph=keep_graph)
     return {id(p): g for p, g in zip(clipper.parameters, grads) if g is not None}
-
-
-def alone(value, j: int):
-    """Every tensor in `value` with each example along its first axis replaced by example j;
-    same shape and strides, so row j computes as it did."""
-    return each_tensor(value, lambda t: torch.empty_like(t).copy_(t[j:j + 1].expand_as(t)))
 
 
 def each_tensor(value, change: Callable[[Tensor], Tensor]):
