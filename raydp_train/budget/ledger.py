@@ -94,6 +94,17 @@ def check_ledger_location(root: str) -> None:
             "or a shared POSIX file system (NFS) mounted at the same path on every node")
 
 
+MAX_BUDGET_NAME = 200  # its witness, lock and temporary files stay within 255 bytes a name
+
+
+def check_budget_name(budget: str) -> None:
+    """A budget name is one folder name, short enough for the files named after it."""
+    if "/" in budget or budget in ("", ".", "..") or len(os.fsencode(budget)) > MAX_BUDGET_NAME:
+        raise LedgerError(f"budget name {budget[:24]!r}{'...' if len(budget) > 24 else ''}: "
+                          f"must be one folder name of at most {MAX_BUDGET_NAME} bytes "
+                          f"(letters, digits, '_', '.', '-'), got {len(os.fsencode(budget))}")
+
+
 class BudgetLedger:
     """The fragments of one budget under a ledger root (directory or URI).
 
@@ -101,6 +112,7 @@ class BudgetLedger:
     """
 
     def __init__(self, root: str, budget: str, create: bool = True):
+        check_budget_name(budget)
         self.uri = f"{root.rstrip('/')}/{budget}"
         if create:
             check_ledger_location(root)
