@@ -276,9 +276,9 @@ def _open_budget(pipeline: Pipeline, on_line):
 
     if pipeline.budget is None:
         return None
-    # A ledger older than a run record (or the witness beside it): refused before any grant.
+    budget = open_budget(pipeline.budget)  # refuses a ledger older than its witness
+    # ... or older than a run record of this pipeline: refused before any grant.
     check_against_runs(pipeline.budget.name, pipeline.budget.ledger, pipeline.run.output_dir)
-    budget = open_budget(pipeline.budget)
     on_line(f"{status_text(budget.status()).splitlines()[0]}\nledger: "
             f"{as_uri(pipeline.budget.ledger)}")
     return budget
