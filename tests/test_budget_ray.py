@@ -190,7 +190,7 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
 
 def test_a_ledger_restored_from_an_older_copy_grants_nothing(ray_session, tmp_path, capsys):
     """Issue 51's reproduction: the ledger copied after one run, a second run, the copy put
-    back: validate and run refuse it in one line naming the witness, before any grant."""
+    back: validate, run and tune refuse it in one line naming the witness, before any grant."""
     import shutil
 
     ledger, runs = tmp_path / "LT", tmp_path / "runsT"
@@ -206,8 +206,9 @@ def test_a_ledger_restored_from_an_older_copy_grants_nothing(ray_session, tmp_pa
     shutil.rmtree(ledger)
     shutil.copytree(tmp_path / "LT_after1", ledger)
     fragments = sorted((ledger / "bt").glob("*.parquet"))
-    for command in ("validate", "run"):
-        assert main([command, *args]) == 2
+    sweep = ["pipelines/sweep_digits.yaml", *args[1:]]  # the same budget, ledger and runs
+    for command, pipeline in (("validate", args), ("run", args), ("tune", sweep)):
+        assert main([command, *pipeline]) == 2
         output = capsys.readouterr()
         (line,) = [x for x in output.err.splitlines() if "witness" in x]
         assert f"{tmp_path}/LT.witness/bt.json names fragment 000000000004.parquet" in line
