@@ -46,7 +46,9 @@ def main() -> None:
          "deleted or unknown, the text truncated or salted, nested thousands deep, an alias "
          "bomb, a key twice, empty) and data files (NaN, inf, 1e308, one class, negative, 2^62 "
          "and string labels, missing columns, empty, not Parquet, nulls, ragged and unicode "
-         "columns) through `raydp-train validate`, each within 10 s."),
+         "columns), and names and paths over a file system's limits (pipeline, budget, data, "
+         "output and ledger names of 201-300 bytes) or data paths that are a FIFO, a directory "
+         "or /dev/zero, through `raydp-train validate`, each within 10 s."),
         "",
         "| cases | by kind | exit 0 | exit 2 | exit 3 | tracebacks or hangs | slowest |",
         "|---:|---|---:|---:|---:|---:|---:|",

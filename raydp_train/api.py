@@ -160,7 +160,8 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
         shutil.rmtree(run_dir, ignore_errors=True)
         return RunResult(run_dir, "nothing trained", result.stop_reason, stop=result.stop)
     privacy = privacy_statement(plan, result, pipeline.training.workers)
-    record = write_run_record(run_dir, pipeline, result, privacy)
+    record = write_run_record(run_dir, pipeline, result, privacy,
+                              None if budget is None else budget.head())
     return RunResult(run_dir, _status(result), result.stop_reason, result.metrics, privacy, record,
                      None if budget is None else budget.status(), result.ray_result,
                      result.stop)
@@ -273,11 +274,14 @@ def _open_budget(pipeline: Pipeline, on_line):
     """The pipeline's global budget (created from this driver), or None; says its state."""
     from raydp_train.budget.actor import open_budget
     from raydp_train.budget.ledger import as_uri
+    from raydp_train.budget.run_witnesses import check_against_runs
     from raydp_train.reports.budget import status_text
 
     if pipeline.budget is None:
         return None
-    budget = open_budget(pipeline.budget)
+    budget = open_budget(pipeline.budget)  # refuses a ledger older than its witness
+    # ... or older than a run record of this pipeline: refused before any grant.
+    check_against_runs(pipeline.budget.name, pipeline.budget.ledger, pipeline.run.output_dir)
     on_line(f"{status_text(budget.status()).splitlines()[0]}\nledger: "
             f"{as_uri(pipeline.budget.ledger)}")
     return budget

@@ -49,8 +49,12 @@ def make_case(number: int, seed: int, folder: Path) -> Case:
     raw.setdefault("run", {})["output_dir"] = str(folder / "runs")
     if "budget" in raw:
         raw["budget"]["ledger"] = str(folder / "ledger")
-    kind = rng.choice(["value", "value", "value", "delete", "unknown", "text", "data", "data"])
-    if kind == "data":
+    kind = rng.choice(["value", "value", "value", "delete", "unknown", "text", "data", "data",
+                       "names"])
+    if kind == "names":
+        description = _mutate_names(rng, raw, folder)
+        text = yaml.safe_dump(raw, allow_unicode=True)
+    elif kind == "data":
         description = _mutate_data(rng, raw, folder)
         text = yaml.safe_dump(raw)
     elif kind == "text":
@@ -171,6 +175,37 @@ def _mutate_data(rng: random.Random, raw: dict, folder: Path) -> str:
     if raw["privacy"].get("mechanism") == "lsg" and raw["model"]["kind"] == "logistic":
         raw["model"] = {"kind": "mlp", "hidden_sizes": [8]}
     return f"{rows} rows, {damage}"
+
+
+LONG = ["n" * 201, "n" * 250, "n" * 256, "n" * 300, "é" * 128]  # the last: 256 bytes
+
+
+def _mutate_names(rng: random.Random, raw: dict, folder: Path) -> str:
+    """A name or path over what a file system holds (255 bytes a name), or a data path that
+    is no file: a FIFO, a directory, a device."""
+    import os
+
+    choice = rng.choice(["name", "budget", "data", "output_dir", "ledger", "fifo", "directory",
+                         "device"])
+    long = rng.choice(LONG)
+    if choice == "name":
+        raw["name"] = long
+    elif choice == "budget":
+        raw.setdefault("budget", {"epsilon": 5.0, "delta": 1e-5,
+                                  "ledger": str(folder / "ledger")})["name"] = long
+    elif choice == "output_dir":
+        raw["run"]["output_dir"] = str(folder / long / "runs")
+    elif choice == "ledger":
+        raw.setdefault("budget", {"name": "b", "epsilon": 5.0, "delta": 1e-5})
+        raw["budget"]["ledger"] = str(folder / long)
+    else:
+        _mutate_data(random.Random(0), raw, folder)  # a good file, then another path
+        fifo = folder / "fifo.parquet"
+        if choice == "fifo" and not fifo.exists():
+            os.mkfifo(fifo)
+        raw["data"]["path"] = {"data": str(folder / long / "train.parquet"), "fifo": str(fifo),
+                               "directory": str(folder), "device": "/dev/zero"}[choice]
+    return f"{choice}: {long[:8]}... ({len(long.encode())} bytes)"
 
 
 @dataclass

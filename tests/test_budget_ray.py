@@ -186,3 +186,32 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
     assert (rows[1]["sampling_rate"], rows[1]["steps"]) == (128 / 1150, 17)
     assert best["training.batch_size"] in {64, 128}
     assert summary["privacy"]["epsilon"] == pytest.approx(rows[1]["running_epsilon"])
+
+
+def test_a_ledger_restored_from_an_older_copy_grants_nothing(ray_session, tmp_path, capsys):
+    """Issue 51's reproduction: the ledger copied after one run, a second run, the copy put
+    back: validate, run and tune refuse it in one line naming the witness, before any grant."""
+    import shutil
+
+    ledger, runs = tmp_path / "LT", tmp_path / "runsT"
+    args = ["pipelines/quickstart.yaml"] + [x for o in (
+        "training.epochs=1", "budget.name=bt", "budget.epsilon=2.1", "budget.delta=1e-5",
+        f"budget.ledger={ledger}", f"run.output_dir={runs}") for x in ("--set", o)]
+    assert main(["run", *args]) == 0
+    shutil.copytree(ledger, tmp_path / "LT_after1")
+    assert main(["run", *args]) == 0
+    records = [json.loads(p.read_text())["budget"] for p in runs.glob("*/record.json")]
+    assert sorted(r["ledger_head"]["seq"] for r in records) == [2, 4]
+    capsys.readouterr()
+    shutil.rmtree(ledger)
+    shutil.copytree(tmp_path / "LT_after1", ledger)
+    fragments = sorted((ledger / "bt").glob("*.parquet"))
+    sweep = ["pipelines/sweep_digits.yaml", *args[1:]]  # the same budget, ledger and runs
+    for command, pipeline in (("validate", args), ("run", args), ("tune", sweep)):
+        assert main([command, *pipeline]) == 2
+        output = capsys.readouterr()
+        (line,) = [x for x in output.err.splitlines() if "witness" in x]
+        assert f"{tmp_path}/LT.witness/bt.json names fragment 000000000004.parquet" in line
+        assert "Traceback" not in output.err + output.out
+    assert sorted((ledger / "bt").glob("*.parquet")) == fragments  # nothing granted
+    assert len(list(runs.iterdir())) == 2  # and no run directory made

@@ -114,8 +114,9 @@ def test_run_account_reserves_before_recording_and_stops_when_refused(tmp_path):
     assert status["epsilon_counted"] == pytest.approx(one_epoch, rel=1e-9)
     account.settle(Charged(20, 1))
     assert accountant.status()["owners"]["run-1"]["steps_spent"] == 20
-    with pytest.raises(ChargeRefused, match="budget exhausted"):
+    with pytest.raises(ChargeRefused, match="budget exhausted") as refused:
         account.charge(Charged(20, 1))
+    assert str(refused.value).startswith("budget exhausted: 'b' has epsilon")  # said once
     assert account.total() == (20, 1)  # the refused epoch was never recorded
 
 

@@ -91,9 +91,9 @@ def test_a_plain_replace_instead_of_an_exclusive_create_would_lose_a_row(tmp_pat
                         lambda temporary, final: os.replace(temporary, final) or True)
     first.reserve("r1", "a", SPEND)
     second.reserve("r2", "b", SPEND)  # replaces r1's fragment: r1's grant is gone
-    # ... and the head marker, which names r1's fragment, notices: the ledger fails closed.
+    # ... and the witness and head marker, which name r1's fragment, notice: it fails closed.
     with pytest.raises(LedgerCorruptError, match="000000000001.parquet is not the one the "
-                                                 "head marker names"):
+                                                 "witness .* names"):
         ledger_rows("b", str(tmp_path / "shared"))
 
 

@@ -312,3 +312,18 @@ def _budget_actor_node(nodes, budget: str) -> str:
     done = nodes.run(nodes.head, [sys.executable, "-c", script], cwd="/tmp")
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()[-1]
+
+
+def test_a_gcs_address_from_outside_the_cluster_is_refused_in_one_line(cluster, tmp_path):
+    """`raydp-train run --address HEAD:6379` on a machine that is no node: refused within 30 s
+    of joining, in one line naming Ray Client's address, not a wait for ever in Ray Train's
+    controller; no run directory is left."""
+    started = time.monotonic()
+    done = cluster.run(cluster.client, [
+        str(BIN / "raydp-train"), "run", "pipelines/quickstart.yaml", "--address",
+        cluster.address, "--set", f"run.output_dir={tmp_path}/runs"], cwd=ROOT, timeout=180)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode == 2, lines[-20:]
+    assert len(lines) == 1 and f"ray://{cluster.head.ip}:10001" in lines[0], lines[-20:]
+    assert time.monotonic() - started < 90
+    assert not (tmp_path / "runs").exists()

@@ -103,6 +103,13 @@ class BudgetAccountant:
         self._catch_up()
         return self.book.epsilon_of(owner)
 
+    def head(self) -> tuple[int, str]:
+        """(seq, hash) of the newest ledger row, after catching up: what a run's record keeps,
+        so that a ledger restored from an older copy is noticed (budget/run_witnesses.py)."""
+        self._usable()
+        self._catch_up()
+        return self.book.next_seq - 1, self.ledger.hash_of(self.book.next_seq - 1)
+
     def _decide_open(self):
         """A new budget's terms are fixed by its first row, whichever writer commits it."""
         return None, None if self.book.next_seq else self.book.open_row(), None

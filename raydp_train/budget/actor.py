@@ -100,6 +100,10 @@ class BudgetClient:
     def epsilon_of(self, owner: str) -> float:
         return ray.get(self._actor().epsilon_of.remote(owner))
 
+    def head(self) -> tuple[int, str]:
+        """(seq, hash) of the ledger's newest row: a run record's witness of the ledger."""
+        return tuple(ray.get(self._actor().head.remote()))
+
     def reset(self, note: str) -> dict:
         """Append a reset row (settled spending stops counting); returns the new status."""
         return ray.get(self._actor().reset.remote(uuid.uuid4().hex, note))

@@ -29,15 +29,18 @@ The ledger is tamper-evident. Each fragment carries the SHA-256 of the row befor
 next one; and after each commit the writer points the head marker ``HEAD`` (the newest
 sequence number and its row's hash, replaced atomically, never moved back) at it, so a
 missing tail (the newest fragments deleted, a backup restored) is noticed: fewer fragments
-than the marker names. Either fails closed, naming the fragment. What it cannot notice: the
-tail deleted together with the marker rolled back to match (or deleted: a ledger without a
-marker is read as it is), or a forger who rewrites every hash after an edit.
+than the marker names. Each commit also advances a witness kept OUTSIDE the ledger's folder
+(``<ledger>.witness/<budget>.json``, budget/ledger_marks.py), so a ledger restored from an
+older copy, or its tail deleted together with its marker, is older than its witness. Once a
+row is chained, a missing marker or an unchained row after it is damage. Each fails closed,
+naming the fragment and the marker or witness (budget/ledger_chain.py). What it cannot
+notice: a writer who rewrites the ledger, its witness and the run records together, or an
+unchained (pre-chain) ledger rewritten whole where no witness was ever written.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
 import uuid
 from pathlib import Path
@@ -48,13 +51,18 @@ from pyarrow import fs
 
 from raydp_train.budget.exclusive_files import (
     NO_HARD_LINKS,
-    held_lock,
     link_exclusively,
     remove_quietly,
-    replace_durably,
     sync_directory,
     write_durably,
 )
+from raydp_train.budget.ledger_chain import (
+    LedgerCorruptError,
+    LedgerError,
+    check_link,
+    check_rows,
+)
+from raydp_train.budget.ledger_marks import Mark, MarkUnreadable, witness_of
 from raydp_train.budget.ledger_schema import (
     KINDS,
     LEDGER_SCHEMA,
@@ -63,16 +71,9 @@ from raydp_train.budget.ledger_schema import (
     fragment_name,
     row_hash,
 )
-from raydp_train.errors import UserError
 
 HEAD = "HEAD"  # the head marker: {"seq": newest, "hash": its row's hash}
-
-class LedgerError(UserError, RuntimeError):
-    """The ledger cannot be read or written; the message names the path."""
-
-
-class LedgerCorruptError(LedgerError):
-    """A fragment is unreadable or the sequence has a gap: the budget refuses to run on it."""
+__all__ = ["BudgetLedger", "FragmentTaken", "LedgerCorruptError", "LedgerError", "as_uri"]
 
 
 class FragmentTaken(LedgerError):
@@ -93,6 +94,17 @@ def check_ledger_location(root: str) -> None:
             "or a shared POSIX file system (NFS) mounted at the same path on every node")
 
 
+MAX_BUDGET_NAME = 200  # its witness, lock and temporary files stay within 255 bytes a name
+
+
+def check_budget_name(budget: str) -> None:
+    """A budget name is one folder name, short enough for the files named after it."""
+    if "/" in budget or budget in ("", ".", "..") or len(os.fsencode(budget)) > MAX_BUDGET_NAME:
+        raise LedgerError(f"budget name {budget[:24]!r}{'...' if len(budget) > 24 else ''}: "
+                          f"must be one folder name of at most {MAX_BUDGET_NAME} bytes "
+                          f"(letters, digits, '_', '.', '-'), got {len(os.fsencode(budget))}")
+
+
 class BudgetLedger:
     """The fragments of one budget under a ledger root (directory or URI).
 
@@ -100,6 +112,7 @@ class BudgetLedger:
     """
 
     def __init__(self, root: str, budget: str, create: bool = True):
+        check_budget_name(budget)
         self.uri = f"{root.rstrip('/')}/{budget}"
         if create:
             check_ledger_location(root)
@@ -108,6 +121,9 @@ class BudgetLedger:
         if create:
             self._make_directory()
         self._newest: tuple[int, str] | None = None  # (seq, hash) of the newest row seen
+        self._head = Mark(self.filesystem, f"{self.directory}/{HEAD}", f"the head marker {HEAD}")
+        self.witness = witness_of(self.filesystem, base, budget)
+        self._head_written = False  # known to exist: this writer wrote it
 
     def append(self, row: dict) -> None:
         """Durably commit `row` as fragment number row['seq'].
@@ -118,6 +134,9 @@ class BudgetLedger:
         next time the number is taken, and it counts, conservatively)."""
         name = fragment_name(row["seq"])
         row["prev_hash"] = self._hash_before(row["seq"])
+        if not self._head_written and self.head() is None:
+            # A chained row never stands without a head marker: name the row before it first.
+            self._advance(self._head, row["seq"] - 1, row["prev_hash"])
         buffer = io.BytesIO()
         pq.write_table(pa.Table.from_pylist([row], schema=LEDGER_SCHEMA), buffer)
         temporary = f"{self.directory}/.{name}.{uuid.uuid4().hex}.tmp"
@@ -135,39 +154,33 @@ class BudgetLedger:
                                 "writer")
         self._newest = (row["seq"], row_hash(row))
         self._move_head(*self._newest)
+        if self.witness is not None:
+            self._advance(self.witness, *self._newest)
 
     def rows(self) -> list[dict]:
         """Every committed row in sequence order, after checking each fragment, the chain
-        of hashes that links them and the head marker."""
-        # The head before the listing: a writer commits a fragment before the head names it,
-        # so a row appended while we read can never look like a deleted one.
+        of hashes that links them, the head marker and the witness beside the ledger."""
+        # The marks before the listing: a writer commits a fragment before it advances the
+        # head, and the head before the witness, so a row appended while we read can never
+        # look like a deleted one.
+        witness = self._read_mark(self.witness) if self.witness is not None else None
         head = self.head()
         rows = [self._read(info.path, info.base_name) for info in self._fragments()]
-        for expected, row in enumerate(rows):
-            if row["seq"] != expected:
-                raise LedgerCorruptError(
-                    f"ledger {self.uri}: expected fragment number {expected}, found "
-                    f"{row['seq']} ({row['fragment']}): a fragment is missing or duplicated"
-                )
-            self._check_link(row_hash(rows[expected - 1]) if expected else "", row)
-        self._check_head(rows, head)
-        if rows:
+        check_rows(self.uri, rows, head,
+                   () if witness is None else ((witness, self.witness.shown),))
+        if rows and rows[-1]["prev_hash"] is not None:
             self._newest = (rows[-1]["seq"], row_hash(rows[-1]))
         return rows
 
     def head(self) -> tuple[int, str] | None:
         """The head marker: (newest sequence number, its row's hash), or None if there is none."""
-        path = f"{self.directory}/{HEAD}"
+        return self._read_mark(self._head)
+
+    def _read_mark(self, mark: Mark) -> tuple[int, str] | None:
         try:
-            info = self.filesystem.get_file_info(path)
-            if info.type == fs.FileType.NotFound:
-                return None
-            with self.filesystem.open_input_stream(path) as stream:
-                marker = json.loads(stream.read())
-            return int(marker["seq"]), str(marker["hash"])
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise LedgerCorruptError(f"ledger {self.uri}: the head marker {HEAD} is "
-                                     f"unreadable: {error}") from error
+            return mark.read()
+        except MarkUnreadable as error:
+            raise LedgerCorruptError(f"ledger {self.uri}: {error}") from error
 
     def _fragments(self) -> list[fs.FileInfo]:
         """The fragment files in name order; anything else there (a directory where a
@@ -188,26 +201,9 @@ class BudgetLedger:
             fragments.append(info)
         return fragments
 
-    def _check_link(self, hash_before: str, row: dict) -> None:
-        """A chained row must name the hash of the row before it (`hash_before`)."""
-        if row["prev_hash"] is not None and row["prev_hash"] != hash_before:
-            raise LedgerCorruptError(
-                f"ledger fragment {self.uri}/{row['fragment']} does not follow the fragment "
-                "before it: one of them was edited, replaced or moved")
-
-    def _check_head(self, rows: list[dict], head: tuple[int, str] | None) -> None:
-        if head is None:
-            return
-        seq, digest = head
-        if seq >= len(rows):
-            raise LedgerCorruptError(
-                f"ledger {self.uri}: the head marker names fragment {fragment_name(seq)}, but "
-                f"only {len(rows)} fragments are there: the newest were deleted (a truncated "
-                "ledger would count less than was spent)")
-        if row_hash(rows[seq]) != digest:
-            raise LedgerCorruptError(
-                f"ledger fragment {self.uri}/{rows[seq]['fragment']} is not the one the head "
-                "marker names: it was edited or replaced")
+    def hash_of(self, seq: int) -> str:
+        """The hash of row `seq`."""
+        return self._hash_before(seq + 1)
 
     def _hash_before(self, seq: int) -> str:
         """The hash of row `seq - 1` ("" for the first), as the chain needs it."""
@@ -219,37 +215,34 @@ class BudgetLedger:
         return row_hash(self._read(f"{self.directory}/{name}", name))
 
     def _move_head(self, seq: int, digest: str) -> None:
-        """Point the head marker at fragment `seq`, unless it already names a newer one (a
-        writer that lost the race to a newer commit must not move it back: they take turns)."""
-        path = f"{self.directory}/{HEAD}"
-        temporary = f"{self.directory}/.{HEAD}.{uuid.uuid4().hex}.tmp"
+        """Point the head marker at fragment `seq`, unless it already names a newer one."""
+        self._advance(self._head, seq, digest)
+        self._head_written = True
+
+    def _advance(self, mark: Mark, seq: int, digest: str) -> None:
         try:
-            with held_lock(f"{self.directory}/.{HEAD}.lock"):
-                current = self.head()
-                if current is not None and current[0] >= seq:
-                    return
-                replace_durably(temporary, path,
-                                json.dumps({"seq": seq, "hash": digest}).encode())
-        except OSError as error:
-            raise LedgerError(f"cannot write the ledger's head marker {self.uri}/{HEAD}: "
-                              f"{error}") from error
-        finally:
-            remove_quietly(temporary)
+            mark.advance(seq, digest)
+        except (OSError, MarkUnreadable) as error:
+            raise LedgerError(f"ledger {self.uri}: cannot write {mark.shown}: {error}") from error
 
     def rows_from(self, seq: int) -> list[dict]:
         """The rows committed from number `seq` on (what a writer that lost a race missed).
 
         Read by name, one after the other, so a stale directory listing (NFS) cannot hide one."""
-        rows = []
+        rows: list[dict] = []
+        # Written by this version, or read whole before: whether the row before is chained.
+        chained = seq > 0 and self._newest is not None
         while True:
             name = fragment_name(seq + len(rows))
             path = f"{self.directory}/{name}"
             if self.filesystem.get_file_info(path).type != fs.FileType.File:
                 return rows
             row = self._read(path, name)
-            self._check_link(row_hash(rows[-1]) if rows else self._hash_before(seq), row)
+            hash_before = row_hash(rows[-1]) if rows else self._hash_before(seq)
+            chained = check_link(self.uri, hash_before, row, chained)
             rows.append(row)
-            self._newest = (row["seq"], row_hash(row))
+            if chained:
+                self._newest = (row["seq"], row_hash(row))
 
     def _read(self, path: str, name: str) -> dict:
         shown = f"{self.uri}/{name}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from raydp_train.budget.book import BudgetBook, check_same_terms, replay
 from raydp_train.budget.ledger import BudgetLedger, as_uri
+from raydp_train.budget.run_witnesses import check_against_runs
 from raydp_train.budget.terms import BudgetError, BudgetTerms
 
 
@@ -21,9 +22,11 @@ def verify_ledger(name: str, ledger: str) -> dict:
     reader = BudgetLedger(as_uri(ledger), name, create=False)
     rows = ledger_rows(name, ledger)
     head = reader.head()
+    witness = reader.witness.read() if reader.witness is not None else None
     return {"ledger": reader.uri, "fragments": len(rows),
             "chained": sum(row["prev_hash"] is not None for row in rows),
-            "head": None if head is None else f"fragment {head[0]} (sha256 {head[1][:12]}...)"}
+            "head": None if head is None else f"fragment {head[0]} (sha256 {head[1][:12]}...)",
+            "witness": None if witness is None else f"fragment {witness[0]} ({reader.witness.path})"}
 
 
 def budget_status(name: str, ledger: str) -> dict:
@@ -31,12 +34,13 @@ def budget_status(name: str, ledger: str) -> dict:
     return replay(rows).status()
 
 
-def book_of(config) -> BudgetBook:
+def book_of(config, runs_folder: str = "") -> BudgetBook:
     """A pipeline's budget (its `budget` section) as its ledger has it now, read without Ray:
     a fresh book if it has no ledger yet; other terms than it was created with are refused,
-    as its accountant would."""
+    as its accountant would; so is a ledger older than a run record in `runs_folder` (the
+    pipeline's run.output_dir) or than the witness beside it."""
     terms = BudgetTerms(config.name, config.epsilon, config.delta, config.accountant)
-    rows = BudgetLedger(as_uri(config.ledger), config.name, create=False).rows()
+    rows = check_against_runs(config.name, config.ledger, runs_folder)
     book = replay(rows, terms)
     check_same_terms(terms, book.terms)
     return book

@@ -25,6 +25,10 @@ def add_budget_command(commands, parents: list) -> None:
                           help=LEDGER_HELP)
         view.add_argument("--json", action="store_true", help="print JSON instead of a table")
         view.set_defaults(command=handler)
+    views.choices["verify"].add_argument(
+        "--runs", default=None, metavar="DIR",
+        help="also compare the ledger with every run record under DIR: the ledger row each "
+             "saw last, the steps and releases each charged")
     reset = views.add_parser(
         "reset", help="stop counting a budget's settled spending (needs --force; appends a row)",
         description=("Append a reset row to the budget's ledger: spending settled before it no "
@@ -79,11 +83,33 @@ def budget_verify(args) -> int:
     from raydp_train.reports.budget import as_json
 
     report = verify_ledger(args.name, _ledger_of(args))  # a damaged ledger: LedgerCorruptError
+    if args.runs is not None:
+        report.update(_compared_with_runs(args))
     print(as_json(report) if args.json else (
         f"ledger {report['ledger']}: {report['fragments']} fragments, "
         f"{report['chained']} linked by their hashes, head marker at "
-        f"{report['head'] or 'none (a ledger written before markers)'}: intact"))
-    return 0
+        f"{report['head'] or 'none (a ledger written before markers)'}, witness at "
+        f"{report['witness'] or 'none'}{_runs_text(report)}: "
+        f"{'DIFFERS' if report.get('differences') else 'intact'}"))
+    return 2 if report.get("differences") else 0
+
+
+def _compared_with_runs(args) -> dict:
+    from raydp_train.budget.run_witnesses import differences_with_runs
+
+    compared, differences = differences_with_runs(args.name, _ledger_of(args), args.runs)
+    for line in differences:
+        print(line, file=sys.stderr)
+    return {"runs": os.path.abspath(args.runs), "run_records": compared,
+            "differences": differences}
+
+
+def _runs_text(report: dict) -> str:
+    if "runs" not in report:
+        return ""
+    differing = len(report["differences"])
+    return (f", {report['run_records']} run records under {report['runs']} compared"
+            + (f" ({differing} differences, above)" if differing else ""))
 
 
 RESET_WARNING = (

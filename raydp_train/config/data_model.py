@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from raydp_train.config.base import Section, Seed
+from raydp_train.config.base import FunctionSpec, ReadPath, Section, Seed
 from raydp_train.config.errors import FieldProblem
 
 # --- data -------------------------------------------------------------------------------------
@@ -23,7 +23,7 @@ class ValidationSplit(Section):
     fraction: float | None = Field(None, gt=0, lt=1)  # of the training rows, not trained on
     # OR a file of its own (a file source); with source ray_dataset neither: the rows are
     # datasets["validation"]
-    path: str | None = Field(None, min_length=1)
+    path: ReadPath | None = Field(None, min_length=1)
     private: bool = True  # false only if these rows may be published as they are
     # Gaussian noise (std, in examples) on the released count of correct predictions; each
     # release is charged to the privacy account. Required to select on private rows.
@@ -83,8 +83,8 @@ class ParquetData(Section):
 
     source: Literal["parquet", "csv", "json"]
     validation: ValidationSplit | None = None
-    path: str = Field(min_length=1)
-    test_path: str | None = None
+    path: ReadPath = Field(min_length=1)
+    test_path: ReadPath | None = None
     feature_columns: list[str] | None = Field(None, min_length=1)
     # Public statistics per feature column, {column: [mean, std]}: x -> (x - mean) / std.
     # Never fitted on the private rows (that would be a release outside the accounting).
@@ -199,9 +199,6 @@ class CnnModel(Section):
         return value
 
 
-FUNCTION_SPEC = r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$"  # "file.py:function", "package.module:function"
-
-
 class TorchModel(Section):
     """A model from the user's own code: `factory` names a function returning an nn.Module,
     as "file.py:function" (beside the pipeline, or absolute) or "package.module:function"
@@ -209,11 +206,11 @@ class TorchModel(Section):
     `num_classes` if it takes them."""
 
     kind: Literal["torch"]
-    factory: str = Field(pattern=FUNCTION_SPEC, max_length=4096)
+    factory: FunctionSpec
     kwargs: dict[str, Any] = Field(default_factory=dict)
     # The per-example loss, "file.py:function" or "package.module:function": (outputs,
     # labels) -> [B] losses, one per example (null: cross-entropy on the logits).
-    loss: str | None = Field(None, pattern=FUNCTION_SPEC, max_length=4096)
+    loss: FunctionSpec | None = None
     num_classes: NumClasses = None
 
 
@@ -234,7 +231,7 @@ class HFModel(Section):
     kind: Literal["hf"]
     # A local folder, a hub name (offline with HF_HUB_OFFLINE=1) or package:<pkg>/<folder>;
     # also where the tokenizer of text data comes from.
-    name_or_path: str | None = Field(None, min_length=1)
+    name_or_path: ReadPath | None = Field(None, min_length=1)
     config: dict[str, Any] | None = None  # AutoConfig.for_model(**config): random init
     task: TaskName = "sequence_classification"
     # causal_lm: an example's loss over its next-token cross-entropies at its real tokens,

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from raydp_train.config.base import SafeName, Section, WrittenPath
+from raydp_train.config.base import MAX_COMPONENT_BYTES, SafeName, Section, WrittenPath
 from raydp_train.config.errors import FieldProblem, show
 
 # --- budget and tune --------------------------------------------------------------------------
@@ -32,6 +32,17 @@ class BudgetConfig(Section):
     accountant: Literal["rdp", "pld"] = "rdp"
     ledger: WrittenPath = Field(default_factory=default_ledger, min_length=1)  # folder or URI
     persist_across_jobs: bool = False  # a detached accountant actor that outlives the job
+
+    @field_validator("ledger")
+    @classmethod
+    def _witness_fits(cls, ledger: str) -> str:
+        """The witness folder beside the ledger (`<ledger>.witness`) must be a valid name too."""
+        last = os.fsencode(ledger.rstrip("/")).rpartition(b"/")[2]
+        room = MAX_COMPONENT_BYTES - len(".witness")
+        if "://" not in ledger and len(last) > room:
+            raise FieldProblem(f"its last folder name is {len(last)} bytes long, at most {room} "
+                               "(the witness beside it adds '.witness')")
+        return ledger
 
 
 SEARCHABLE = (

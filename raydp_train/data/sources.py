@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raydp_train.data.columns import DataError, numeric_rows, one_line, text_labels
-from raydp_train.data.table_files import as_parquet, with_max_rows
+from raydp_train.data.table_files import as_parquet, check_data_file, with_max_rows
 from raydp_train.data.targets import label_kind
 
 
@@ -112,8 +112,7 @@ def _features(values: np.ndarray) -> np.ndarray:
 
 def check_text_file(path: Path, text_column: str, label_column: str | None, field: str) -> int:
     """The number of rows, after checking the file and its columns; raises DataError."""
-    if not path.is_file():
-        raise DataError(f"{field}: parquet file not found: {path}")
+    check_data_file(path, "parquet", field)
     try:
         parquet = pq.ParquetFile(path)  # the footer, read once: schema and row count
         schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
@@ -239,8 +238,7 @@ def _parquet(config, reader: _Reader):
 
 
 def _read_parquet(path: Path, config, field: str) -> tuple[np.ndarray, np.ndarray]:
-    if not path.is_file():
-        raise DataError(f"{field}: parquet file not found: {path}")
+    check_data_file(path, "parquet", field)
     columns = config.feature_columns or [config.tensor_column]
     try:
         schema = pq.read_schema(path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -75,10 +76,9 @@ def with_max_rows(config):
 
 def parquet_copy(path: Path, source: str, field: str) -> Path:
     """The Parquet copy of the csv or json file at `path` (made now, or found in the cache)."""
-    if not path.is_file():
-        raise DataError(f"{field}: {source} file not found: {path}")
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{source}"
+    check_data_file(path, source, field)
+    status = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{status.st_size}|{status.st_mtime_ns}|{source}"
                          .encode()).hexdigest()[:24]
     target = cache_folder("tables") / key / f"{path.name}.parquet"
     if target.is_file():
@@ -112,3 +112,23 @@ def _read(path: Path, source: str, field: str) -> pa.Table:
 def _first_character(path: Path) -> str:
     with path.open("rb") as file:
         return file.read(4096).lstrip()[:1].decode("ascii", errors="replace")
+
+
+# What a path is when it is not a regular file, for the one line that refuses it.
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def check_data_file(path: Path, source: str, field: str) -> None:
+    """`path` is a regular file (a FIFO or /dev/zero would be read forever), else DataError
+    naming what it is."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise DataError(f"{field}: {source} file not found: {path}") from None
+    except OSError as error:
+        raise DataError(f"{field}: cannot read {path}: {error.strerror or error}") from None
+    if not stat.S_ISREG(mode):
+        what = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        raise DataError(f"{field}: {path} is {what}, not a {source} file")

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import torch
 
 from raydp_train.budget.ledger import as_uri
+from raydp_train.budget.run_witnesses import budget_witness
 from raydp_train.config.pipeline import Pipeline, PipelineError, dump_pipeline
 from raydp_train.privacy.mechanism import mechanism_named
 from raydp_train.privacy.noise import NOISE_SOURCES
@@ -120,8 +121,12 @@ def raydp_train_version() -> str:
 
 
 def write_run_record(
-    run_dir: Path, pipeline: Pipeline, result, privacy: dict
+    run_dir: Path, pipeline: Pipeline, result, privacy: dict,
+    ledger_head: tuple[int, str] | None = None
 ) -> Path:
+    """`ledger_head`: the newest row of the budget's ledger at the end (seq, hash), kept with
+    what the run charged (budget/run_witnesses.py): a ledger restored from an older copy is
+    then noticed."""
     metrics = result.metrics
     pq.write_table(pa.Table.from_pylist(metrics), run_dir / "metrics.parquet")
     (run_dir / "privacy.json").write_text(json.dumps(privacy, indent=2))
@@ -142,6 +147,10 @@ def write_run_record(
         # Which engine produced the run: CHANGELOG.md says which versions to distrust for what.
         "raydp_train_version": raydp_train_version(),
     }
+    if ledger_head is not None:
+        record["budget"] = budget_witness(
+            pipeline.budget.name, pipeline.budget.ledger, Path(run_dir).name,
+            (result.steps_charged, result.releases_charged), ledger_head)
     path = run_dir / "record.json"
     path.write_text(json.dumps(record, indent=2))
     mechanism = mechanism_named(pipeline.privacy.mechanism)

@@ -13,6 +13,8 @@ from raydp_train.errors import UserError
 
 # Long enough for a head across a slow network, short enough for a user to wait through.
 ADDRESS_TIMEOUT_S = 3.0
+# An embedded Ray that did not start in Ray's 30 s is tried once more, its GCS given this long.
+RETRY_START_WAIT_S = 90
 RAY_GCS_PORT = 6379
 RAY_CLIENT_PORT = 10001
 
@@ -100,6 +102,42 @@ def check_cluster(training) -> None:
         raise ResourceError(
             f"training.workers: {workers} workers need {workers} CPUs, but the Ray cluster has "
             f"{available.get('CPU', 0):g}; lower training.workers or add nodes")
+    alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+    if training.placement == "strict_spread" and alive < workers:
+        raise ResourceError(
+            f"training.placement: strict_spread puts each of the {workers} workers on a node of "
+            f"its own, but the Ray cluster has {alive} live node(s): it would wait for nodes "
+            "forever; use placement: spread or pack, lower training.workers, or add nodes")
+
+
+def check_driver_on_a_node(address: str | None) -> None:
+    """A driver that joined a cluster by its GCS address (HOST:6379) must run on one of its
+    nodes: from another machine it borrows a node's address it does not have, and Ray Train's
+    controller waits for ever. Ray Client (ray://) is the way in from outside."""
+    import ray
+
+    if not address or address in ("auto", "local") or address.startswith("ray://"):
+        return
+    borrowed = ray.util.get_node_ip_address()  # the node this driver joined through
+    if not _is_local_address(borrowed):
+        host, _ = _host_port(address)
+        ray.shutdown()
+        raise ResourceError(
+            f"--address {address}: this machine is not a node of that cluster (its node "
+            f"{borrowed} is not an address here), and a driver joined by the GCS address "
+            f"waits for ever from outside; use Ray Client, --address "
+            f"ray://{host}:{RAY_CLIENT_PORT}, or `ray job submit`")
+
+
+def _is_local_address(ip: str) -> bool:
+    """Whether `ip` is an address of this machine: a socket can be bound to it."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((ip, 0))
+        return True
+    except OSError:
+        return False
 
 
 def connect(address: str | None, training, num_cpus: int, verbose: bool = False) -> None:
@@ -116,19 +154,50 @@ def connect(address: str | None, training, num_cpus: int, verbose: bool = False)
     except UserError:
         raise
     except Exception as error:
-        raise ResourceError(ray_start_problem(address, error)) from error
+        if address:
+            raise ResourceError(ray_start_problem(address, error)) from error
+        _start_again(num_cpus, verbose, error)
+    check_driver_on_a_node(address)
     check_cluster(training)
 
 
-def ray_start_problem(address: str | None, error: Exception) -> str:
-    """One line for a Ray that would not start or let us join: its cause, and what to try."""
+def _start_again(num_cpus: int, verbose: bool, error: Exception) -> None:
+    """An embedded Ray that did not start (a busy machine: two runs starting at once) is
+    tried once more, its GCS given RETRY_START_WAIT_S instead of 30 s; says so."""
+    import ray
+
+    from raydp_train.train.trainer import ensure_ray
+
+    print(f"an embedded local Ray did not start ({_cause(error)}); trying once more, waiting "
+          f"up to {RETRY_START_WAIT_S} s", file=sys.stderr, flush=True)
+    ray.shutdown()
+    wait = "RAY_gcs_server_port_wait_time_s"
+    before = os.environ.get(wait)
+    os.environ[wait] = before or str(RETRY_START_WAIT_S)
+    try:
+        ensure_ray(None, num_cpus=num_cpus, verbose=verbose)
+    except Exception as again:
+        raise ResourceError(ray_start_problem(None, again, tried_twice=True)) from again
+    finally:
+        if before is None:
+            os.environ.pop(wait, None)
+
+
+def _cause(error: Exception) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    cause = (lines[0] if lines else type(error).__name__)[:200]
+    return (lines[0] if lines else type(error).__name__)[:200]
+
+
+def ray_start_problem(address: str | None, error: Exception, tried_twice: bool = False) -> str:
+    """One line for a Ray that would not start or let us join: its cause, and what to try."""
+    cause = _cause(error)
     if address and address != "local":
         return (f"--address {address}: could not join the Ray cluster ({cause}); check that "
                 "it runs the same Ray version as this machine (`ray --version`) and that this "
                 "machine can reach every node, or unset it to run on an embedded local Ray")
-    return (f"an embedded local Ray did not start ({cause}); Ray gives its processes 30 s: "
+    tries = f"twice, the second time waiting {RETRY_START_WAIT_S} s" if tried_twice else ""
+    return (f"an embedded local Ray did not start{' ' + tries if tries else ''} ({cause}); "
+            "Ray gives its processes 30 s: "
             "on a busy machine try again with fewer other processes running, point RAY_TMPDIR "
             "at a short local folder with free space, or start Ray yourself (`ray start "
             "--head`) and pass --address")

@@ -103,7 +103,8 @@ def first_refusal(pipeline: Pipeline, plan) -> str:
 
     first = (random_stopping_spend(pipeline, plan) if pipeline.tune.selection == "random_stopping"
              else trials_spend(pipeline, plan, 1))
-    decision, _, _ = book_of(pipeline.budget).propose("preflight", "first trial", first)
+    book = book_of(pipeline.budget, pipeline.run.output_dir)
+    decision, _, _ = book.propose("preflight", "first trial", first)
     return "" if decision.granted else decision.reason
 
 

@@ -3,15 +3,13 @@ BEFORE they run, and each release is marked before it happens, so the record cou
 what was released, across crashes.
 
 `ChargeLedger` is the run's own record, under `<run_dir>/charges/` (a local directory or a
-URI such as s3://..., through pyarrow's filesystem layer): one small immutable JSON file per
-epoch charge, written to a temporary name and renamed, and, in a local directory, one
-append-only release log per attempt (a worker group's life), where rank 0 writes "step s"
-before step s's noisy gradient leaves it and "release e" before epoch e's noisy metric.
-The current attempt counts its charges in full (write-ahead); an attempt that died counts
-what its log says it released, so the epoch a crash cut short costs the steps it ran, and a
-restart from the checkpoint before it charges the repeated steps again: they are released
-again, with new noise. Where there is no log (an object store), a dead attempt's charges
-count in full: never less than was released.
+URI such as s3://...): one immutable JSON file per epoch charge, and, in a local directory,
+one release log per attempt (a worker group's life; train/release_log.py). The current
+attempt counts its charges in full (write-ahead); a dead attempt counts the larger of what
+its log says it released and what the checkpoint the next attempt resumed from proves it
+ran, so the epoch a crash cut short costs the steps it ran, and a restart charges repeated
+steps again (released again, with new noise). Without a log that chains (an object store,
+a log cut or edited), a dead attempt's charges count in full.
 
 `RunAccount` adds the global budget in front of it: the charge is recorded with the id of
 the budget request it is about to make, the budget's accountant must grant it before the
@@ -26,7 +24,6 @@ refusal stops the run cleanly at its last checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from typing import NamedTuple
@@ -35,9 +32,8 @@ from pyarrow import fs
 
 from raydp_train.budget.exclusive_files import replace_durably
 from raydp_train.budget.ledger import as_uri
+from raydp_train.train.release_log import RELEASE_LOG, ReleaseLog, read_marks
 from raydp_train.train.stops import StopReason
-
-RELEASE_LOG = "released-{attempt}.log"  # one per attempt, beside the charges
 
 
 class Charged(NamedTuple):
@@ -69,10 +65,16 @@ class ChargeLedger:
         self.directory = f"{root.rstrip('/')}/charges"
         self.filesystem.create_dir(self.directory, recursive=True)
         self.attempt = uuid.uuid4().hex[:16]
-        self._log: int | None = None  # this attempt's release log, opened by its first charge
+        self._log: ReleaseLog | None = None  # this attempt's, opened by its first charge
         self._marks_of: dict[str, tuple | None] = {}  # a dead attempt's marks, read once
         self._newest = ""  # the newest charge's file: withdrawn if the budget refuses it
         self._total: Charged | None = None  # read from the files once, then kept up to date
+        self._resumed_at = 0  # the step this attempt's checkpoint proves the run reached
+
+    def resumed_at(self, step: int) -> None:
+        """This attempt continues from a checkpoint at step `step`: the steps before it ran,
+        whatever a dead attempt's log says (the larger of the two counts)."""
+        self._resumed_at, self._total = step, None
 
     def charge(self, charge: Charged, request: str = "", epoch: int = 0,
                first_step: int = 0) -> Charged:
@@ -101,11 +103,11 @@ class ChargeLedger:
 
     def mark_step(self, step: int) -> None:
         """Step `step`'s noisy gradient is about to be released."""
-        self._mark(f"step {step}\n")
+        self._mark("step", step)
 
     def mark_release(self, epoch: int) -> None:
         """Epoch `epoch`'s noisy validation metric is about to be released."""
-        self._mark(f"release {epoch}\n")
+        self._mark("release", epoch)
 
     def total(self) -> Charged:
         """Every charge on record, earlier attempts of the run included (as released)."""
@@ -121,19 +123,17 @@ class ChargeLedger:
 
     def close(self) -> None:
         if self._log is not None:
-            os.close(self._log)
+            self._log.close()
             self._log = None
 
     def _open_log(self) -> None:
         # Appends that outlive a killed process need a file system with appends: a local one.
         if self._log is None and isinstance(self.filesystem, fs.LocalFileSystem):
-            path = f"{self.directory}/{RELEASE_LOG.format(attempt=self.attempt)}"
-            self._log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._log = ReleaseLog(f"{self.directory}/{RELEASE_LOG.format(attempt=self.attempt)}")
 
-    def _mark(self, line: str) -> None:
+    def _mark(self, kind: str, number: int) -> None:
         if self._log is not None:
-            os.write(self._log, line.encode())
-            os.fdatasync(self._log)  # on disk before the release: a power cut loses no mark
+            self._log.mark(kind, number)
 
     def _records(self) -> list[dict]:
         selector = fs.FileSelector(self.directory, allow_not_found=True)
@@ -143,43 +143,41 @@ class ChargeLedger:
             if info.base_name.endswith(".json") and not info.base_name.startswith("."):
                 with self.filesystem.open_input_stream(info.path) as stream:
                     records.append(json.loads(stream.read()))
+        self._mark_checkpointed(records)
         return records
+
+    def _mark_checkpointed(self, records: list[dict]) -> None:
+        """The checkpoint this attempt resumed from (at step S) was written by the attempt
+        that last charged an epoch through S: that charge ran at least S - first_step steps."""
+        resumed = self._resumed_at
+        covering = [r for r in records if self._dead(r) and "first_step" in r
+                    and r["first_step"] < resumed <= r["first_step"] + r["steps"]]
+        if covering:
+            covering[-1]["checkpointed_steps"] = resumed - covering[-1]["first_step"]
 
     def _dead(self, record: dict) -> bool:
         return record.get("attempt", self.attempt) != self.attempt
 
     def _counted(self, record: dict) -> Charged:
-        """A charge as it counts: in full, unless a dead attempt's log says what it released."""
+        """A charge as it counts: in full, unless a dead attempt's log says what it released
+        (or the checkpoint this attempt resumed from proves more ran)."""
         charged = Charged(record["steps"], record.get("releases", 0))
         marks = self._marks(record["attempt"]) if self._dead(record) else None
         if not record.get("release_log") or marks is None:
             return charged
         steps, releases = marks
         first = record["first_step"]
-        return Charged(sum(first <= step < first + charged.steps for step in steps),
+        logged = sum(first <= step < first + charged.steps for step in steps)
+        return Charged(max(logged, record.get("checkpointed_steps", 0)),
                        releases.count(record["epoch"]) if charged.releases else 0)
 
     def _marks(self, attempt: str) -> tuple[list[int], list[int]] | None:
-        """(steps, epochs of metric releases) an attempt's log marks; None if it is missing
-        or unreadable (then its charges count in full)."""
+        """(steps, epochs of metric releases) an attempt's log marks; None if it is missing,
+        unreadable or does not chain (then its charges count in full)."""
         if attempt not in self._marks_of:
-            self._marks_of[attempt] = self._read_marks(attempt)
+            path = f"{self.directory}/{RELEASE_LOG.format(attempt=attempt)}"
+            self._marks_of[attempt] = read_marks(self.filesystem, path)
         return self._marks_of[attempt]
-
-    def _read_marks(self, attempt: str) -> tuple[list[int], list[int]] | None:
-        path = f"{self.directory}/{RELEASE_LOG.format(attempt=attempt)}"
-        try:
-            with self.filesystem.open_input_stream(path) as stream:
-                lines = stream.read().decode().splitlines()
-        except (OSError, UnicodeDecodeError):
-            return None
-        marks = {"step": [], "release": []}
-        for line in lines:
-            kind, _, number = line.partition(" ")
-            if kind not in marks or not number.isdigit():
-                return None
-            marks[kind].append(int(number))
-        return marks["step"], marks["release"]
 
 
 class MemoryCharges:
@@ -196,20 +194,16 @@ class MemoryCharges:
     def withdraw(self, charge: Charged) -> None:
         self._total -= charge
 
-    def mark_step(self, step: int) -> None:
-        pass
-
-    def mark_release(self, epoch: int) -> None:
-        pass
-
     def dead_closings(self) -> list[tuple[str, int, int]]:
         return []
 
     def total(self) -> Charged:
         return self._total
 
-    def close(self) -> None:
-        pass
+    def _ignored(self, *_) -> None:
+        """No mark to write, nothing to close: no later attempt of the run reads them."""
+
+    mark_step = mark_release = resumed_at = close = _ignored
 
 
 def epsilon_cap(pipeline, plan) -> float | None:
@@ -237,6 +231,8 @@ class RunAccount:
     def charge(self, charge: Charged, epoch: int = 0, first_step: int = 0) -> Charged:
         """Record `charge` with the id of the budget request that will pay for it, then
         reserve it from the budget; the run's total, or ChargeRefused (then withdrawn)."""
+        if not self._dead_closed:  # this attempt's first charge starts where it resumed
+            self.record.resumed_at(first_step)
         self._close_dead_attempts()
         self._check_cap(charge)
         self._check_ceiling(charge)

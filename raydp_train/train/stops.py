@@ -22,8 +22,9 @@ class StopReason(str, Enum):
     NOT_STARTED = "not started"
 
     def because(self, details: str) -> str:
-        """The text shown: "<value>: <details>"."""
-        return f"{self.value}: {details}"
+        """The text shown: "<value>: <details>" (once, where the details already say it)."""
+        shown = f"{self.value}: "
+        return details if details.startswith(shown) else f"{shown}{details}"
 
 
 # Refusals of the next charge: a sweep shows them without their long reasons.

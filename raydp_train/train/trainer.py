@@ -20,6 +20,7 @@ from raydp_train.data.shards import ShardEveryRow, file_splits, split_datasets
 from raydp_train.data.sources import load_data
 from raydp_train.models.hf_files import tokenizer_source
 from raydp_train.runs.quiet import ray_logging_level
+from raydp_train.runs.waits import watch_waits
 from raydp_train.train.charges import Charged, ChargeLedger, RunAccount, epsilon_cap
 from raydp_train.train.context import RayTrainContext, clear_stop, request_stop, stop_requested
 from raydp_train.train.plan import PrivacyPlan
@@ -119,20 +120,28 @@ def fit(
     trainer = _torch_trainer(pipeline, run_dir, config, splits, callbacks)
     clear_stop(run_dir)
     stop = threading.Event()
-    printer = threading.Thread(target=_print_progress, daemon=True,
-                               args=(rows, on_epoch, on_progress, stop))
-    printer.start()
+    reporters = _reporters(rows, on_epoch, on_progress, stop)
     try:
         result = _fit_until_stopped(trainer, run_dir)
     finally:
         stop.set()
-        printer.join()
+        for reporter in reporters:
+            reporter.join()
         rows.remove()
     trained: TrainResult = cloudpickle.loads(result.return_value)
     if len(set(trained.checksums)) != 1:
         raise RuntimeError(f"workers ended with different parameters: {trained.checksums}")
     trained.ray_result = result
     return trained
+
+
+def _reporters(rows: RowReader, on_epoch, on_progress, stop: threading.Event) -> list:
+    """The driver's threads while the workers run: their rows shown, a wait for resources
+    said (runs/waits.py), until `stop`."""
+    printer = threading.Thread(target=_print_progress, daemon=True,
+                               args=(rows, on_epoch, on_progress, stop))
+    printer.start()
+    return [printer, watch_waits(stop, lambda line: print(line, flush=True))]
 
 
 def _torch_trainer(pipeline: Pipeline, run_dir: Path, config: dict, splits: dict | None,
