@@ -21,6 +21,9 @@ _EXPORTS = {
     "load_model": "raydp_train.models.predictions",
     "predict": "raydp_train.models.predictions",
     "UserError": "raydp_train.errors",
+    "fix": "raydp_train.privacy.fixes",
+    "register_rule": "raydp_train.privacy.rule_registry",
+    "Rule": "raydp_train.privacy.rule_registry",
 }
 __all__ = list(_EXPORTS)
 

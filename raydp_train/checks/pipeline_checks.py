@@ -7,6 +7,7 @@ validate's data and plan checks never wait for them."""
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from raydp_train.config.pipeline import Pipeline
@@ -74,7 +75,7 @@ def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes:
     # self-check, which computes; its weights are never read.
     weights = "pretrained" if for_training else (
         "random" if pipeline.privacy.self_check.enabled else "meta")
-    model = build_model(pipeline.model, feature_shape, num_classes, weights)
+    model = build_model(pipeline.model, feature_shape, num_classes, weights, _say)
     engine = make_mechanism(pipeline.privacy, torch.Generator()).attach(
         model, pipeline.privacy.clip_norm)
     try:
@@ -86,6 +87,10 @@ def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes:
     if pipeline.training.cache_frozen_prefix:
         FrozenPrefix(model)
     return model
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_loss(pipeline: Pipeline, model: nn.Module, feature_shape: tuple[int, ...],

@@ -212,6 +212,7 @@ class TorchModel(Section):
     # labels) -> [B] losses, one per example (null: cross-entropy on the logits).
     loss: FunctionSpec | None = None
     num_classes: NumClasses = None
+    fix: bool = False  # BatchNorm -> GroupNorm, ... (privacy/fixes.py), one line each
 
 
 class LastLayers(Section):

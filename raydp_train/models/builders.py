@@ -20,9 +20,10 @@ class ModelError(UserError, ValueError):
 
 
 def build_model(config, feature_shape: tuple[int, ...], num_classes: int,
-                weights: str = "pretrained") -> nn.Module:
+                weights: str = "pretrained", on_fix=None) -> nn.Module:
     """Every layer is one the per-example clipping engine supports (no BatchNorm).
-    `weights` of an hf model: "pretrained", "random" or "meta" (hf.Weights; validate)."""
+    `weights` of an hf model: "pretrained", "random" or "meta" (hf.Weights; validate);
+    `on_fix`: each line of a torch model's `model.fix` changes."""
     if config.kind == "hf":
         from raydp_train.models.hf import build_hf_model, check_positions
         from raydp_train.models.hf_causal import build_causal_lm
@@ -39,7 +40,7 @@ def build_model(config, feature_shape: tuple[int, ...], num_classes: int,
     if config.kind == "torch":
         from raydp_train.models.custom import custom_model
 
-        return custom_model(config, feature_shape, num_classes)
+        return custom_model(config, feature_shape, num_classes, on_fix)
     with torch.device("meta"):  # shapes only: nothing allocated
         parameters = sum(p.numel() for p in _small_model(config, feature_shape,
                                                          num_classes).parameters())

@@ -26,13 +26,16 @@ import torch
 from torch import Tensor, nn
 
 from raydp_train.errors import UserError
+from raydp_train.privacy.fixes import fix
 
 
 class CustomModelError(UserError, ValueError):
     """model.factory cannot be imported, called, or does not give a fitting nn.Module."""
 
 
-def custom_model(config, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def custom_model(config, feature_shape: tuple[int, ...], num_classes: int,
+                 on_fix: Callable[[str], None] | None = None) -> nn.Module:
+    """The factory's model, with `model.fix`'s changes (each line to `on_fix`)."""
     factory = load_function(config.factory)
     offered = {"feature_shape": tuple(feature_shape), "num_classes": num_classes}
     takes = inspect.signature(factory).parameters
@@ -45,8 +48,15 @@ def custom_model(config, feature_shape: tuple[int, ...], num_classes: int) -> nn
     if not isinstance(model, nn.Module):
         raise CustomModelError(f"model.factory: {config.factory} returned "
                                f"{type(model).__name__}, not a torch nn.Module")
+    if config.fix:
+        for line in fix(model):
+            (on_fix or _silent)(line)
     _check_output(model, config.factory, feature_shape, num_classes)
     return model
+
+
+def _silent(line: str) -> None:
+    """Workers build the model too: the driver's preflight says what was fixed, once."""
 
 
 def load_function(spec: str, field: str = "model.factory") -> Callable:

@@ -102,7 +102,8 @@ def refuse_state_from_the_batch(model: nn.Module) -> None:
             raise UnsupportedLayerError(
                 f"{label} normalizes with statistics of the batch or keeps running statistics "
                 "of the data, outside clipping and noise, trained or frozen: replace it with "
-                "GroupNorm or LayerNorm, which normalize each example by itself")
+                "GroupNorm or LayerNorm, which normalize each example by itself (model.fix: "
+                "true, or raydp_train.fix(model), does it)")
         if isinstance(module, nn.Embedding) and module.max_norm is not None:
             raise UnsupportedLayerError(
                 f"{label} has max_norm={module.max_norm}: it rescales, in place, the rows of "

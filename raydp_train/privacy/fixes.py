@@ -1,0 +1,80 @@
+"""What can be made private automatically (ARCHITECTURE.md §2.3), as Opacus's
+`ModuleValidator.fix`: `model.fix: true` in a pipeline, `raydp_train.fix(model)` in Python.
+
+    BatchNorm1d/2d/3d (C channels)      -> GroupNorm(gcd(C, 32), C), its affine scale and shift
+                                           kept: each example normalized by itself
+    InstanceNorm with running statistics -> the same InstanceNorm without them
+
+Each change is one line naming the module. What cannot be changed without changing what the
+model means (a batch-second layer, an Embedding's max_norm) is left, and the engine's refusal
+names the fix by hand.
+"""
+
+from __future__ import annotations
+
+from math import gcd
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+MAX_GROUPS = 32  # as in Wu & He's GroupNorm and Opacus's fix
+
+
+def fix(model: nn.Module) -> list[str]:
+    """Replace, in place, every module of `model` that batch statistics would make
+    non-private by one that normalizes each example by itself; one line per module changed.
+    A model that is itself such a module is not replaced (its owner must): refused later."""
+    changes = []
+    for name, module in list(model.named_modules()):
+        replacement = _replacement(module)
+        if replacement is None or not name:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, replacement)
+        changes.append(f"model.fix: module '{name}' ({type(module).__name__}) -> "
+                       f"{_describe(replacement)}")
+    return changes
+
+
+def _replacement(module: nn.Module) -> nn.Module | None:
+    if isinstance(module, _BatchNorm):
+        return _group_norm(module)
+    if isinstance(module, _InstanceNorm) and module.track_running_stats:
+        fixed = type(module)(module.num_features, module.eps, module.momentum, module.affine,
+                             track_running_stats=False)
+        if module.affine:
+            with torch.no_grad():
+                fixed.weight.copy_(module.weight)
+                fixed.bias.copy_(module.bias)
+            fixed.requires_grad_(module.weight.requires_grad)
+        return fixed.to(**_placement(module))
+    return None
+
+
+def _group_norm(norm: _BatchNorm) -> nn.GroupNorm:
+    channels = norm.num_features
+    fixed = nn.GroupNorm(gcd(channels, MAX_GROUPS), channels, norm.eps, affine=norm.affine)
+    if norm.affine:
+        with torch.no_grad():
+            fixed.weight.copy_(norm.weight)
+            fixed.bias.copy_(norm.bias)
+        fixed.requires_grad_(norm.weight.requires_grad)
+    return fixed.to(**_placement(norm))
+
+
+def _placement(module: nn.Module) -> dict:
+    """The device and floating dtype of the module replaced, for its replacement."""
+    tensor = next((t for t in [*module.parameters(), *module.buffers()]
+                   if t.is_floating_point()), None)
+    if tensor is None:
+        return {}
+    return {"device": tensor.device, "dtype": tensor.dtype}
+
+
+def _describe(module: nn.Module) -> str:
+    if isinstance(module, nn.GroupNorm):
+        return f"GroupNorm({module.num_groups}, {module.num_channels})"
+    return f"{type(module).__name__} without running statistics"
