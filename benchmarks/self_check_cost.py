@@ -88,8 +88,8 @@ def section(on: dict, steps: list[float], checks: list[float], load: float) -> s
         "## Engine self-check: its cost at the defaults (benchmarks/self_check_cost.py)", "",
         (f"Machine: {machine_facts()}; 1-minute load before the runs {load:.2f} on "
          f"{os.cpu_count()} cores (other work on the machine shows here). Defaults: 2 examples "
-         "drawn at random from the first micro-batch, each removed and recomputed by one "
-         "backward pass, one pass without half the rows; the first step of each worker "
+         "drawn at random from the first micro-batch, removed together in one pass and "
+         "recomputed by one forward and a backward each, one pass without half the rows; the first step of each worker "
          "process, then 1% of later steps at random. A check's seconds exclude its full pass, "
          "which is the micro-batch's own release."), "",
         (f"**MiniLM, SST-2** (pipelines/sst2_minilm_dpsgd.yaml, {SST2_EPOCHS} epochs, "
