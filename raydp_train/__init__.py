@@ -24,6 +24,7 @@ _EXPORTS = {
     "fix": "raydp_train.privacy.fixes",
     "register_rule": "raydp_train.privacy.rule_registry",
     "Rule": "raydp_train.privacy.rule_registry",
+    "check_rule": "raydp_train.privacy.self_check",
 }
 __all__ = list(_EXPORTS)
 

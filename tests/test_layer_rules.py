@@ -3,6 +3,7 @@ layer defined outside the package is clipped exactly once its rule is registered
 
 import pytest
 import torch
+import torch.nn.functional as F
 from oracles import engine_sum_in_parameter_order, naive_clipped_sum
 from torch import nn
 
@@ -116,3 +117,31 @@ def test_the_refusal_lists_the_registered_layers(toy_rule):
     assert registered.split(", ") == sorted(
         ["Conv1d", "Conv2d", "ElementwiseScale", "Embedding", "GroupNorm", "LayerNorm",
          "Linear", "LoraLinear", "RMSNorm", "transformers.pytorch_utils.Conv1D"])
+
+
+class ForgetsThePositions(ElementwiseScaleRule):
+    """Wrong on sequences: the first position stands for the whole example."""
+
+    def squared_norms(self, module, calls, slots, gram_cache):
+        grads = sum((x * g).reshape(x.shape[0], -1, x.shape[-1])[:, 0]
+                    for x, g in zip(calls.inputs, calls.output_grads))
+        calls.state["grads"] = grads
+        return grads.square().sum(1)
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("rule, passes", [(ElementwiseScaleRule, True),
+                                          (ForgetsThePositions, False)])
+def test_check_rule_tells_a_right_rule_from_a_wrong_one(registry, rule, passes):
+    import raydp_train as rt
+
+    register_rule(ElementwiseScale)(rule)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), ElementwiseScale(6), nn.Linear(6, 3))
+    x, y = torch.randn(5, 3, 4), torch.arange(5) % 3
+    report = rt.check_rule(model, lambda m, x, y: F.cross_entropy(m(x).sum(1), y,
+                                                                  reduction="none"), x, y, 0.1)
+    assert report.passed is passes, report.message()
+    if not passes:
+        assert "'1.weight'" in report.message()
+

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from raydp_train.errors import UserError
 from raydp_train.privacy.clipping import MicroBatchStats, PerExampleClipper
@@ -135,6 +135,20 @@ def compare_with_per_example(
     _compare(clipper, report, chosen, stats.norms, basis, factors, parts, removed, slow, full)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def check_rule(model: nn.Module, per_example_loss: Callable[..., Tensor], features: Tensor,
+               labels: Tensor, clip_norm: float = 1.0) -> SelfCheckReport:
+    """The engine on `model` against one backward pass per example, on every example of the
+    batch: the test of a rule of your own (`register_rule`). `per_example_loss(model,
+    features, labels)` returns [B] losses. `report.passed`, or `report.message()` says what
+    differs. Run it in float64 (torch.set_default_dtype) to see the method, not rounding."""
+    clipper = PerExampleClipper(model, clip_norm)
+    try:
+        return compare_with_per_example(clipper, per_example_loss, (model, features, labels),
+                                        examples=features.shape[0])
+    finally:
+        clipper.close()
 
 
 def _choose(count: int, examples: int, chooser: random.Random | None) -> list[int]:
