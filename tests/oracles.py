@@ -114,11 +114,12 @@ def assert_exact_clipping_all_and_none(model, example_losses, inputs, norm_rtol=
     assert_exact(model, example_losses, inputs, none, norm_rtol)  # none clipped
 
 
-def leave_one_out(model, losses_of_rows, batch: int, clip_norm: float) -> list[float]:
+def leave_one_out(model, losses_of_rows, batch: int, clip_norm: float,
+                  **engine_settings) -> list[float]:
     """||S(D) - S(D without k)|| / C for every example k, S the engine's own clipped sum
     (float64 differences of its buffer); `losses_of_rows(rows)` the losses of those rows."""
     def engine_sum(rows):
-        clipper = PerExampleClipper(model, clip_norm)
+        clipper = PerExampleClipper(model, clip_norm, **engine_settings)
         try:
             clipper.accumulate(lambda: losses_of_rows(rows))
             return clipper.flat_grad.double().clone()

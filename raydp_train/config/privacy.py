@@ -77,6 +77,10 @@ class PrivacyConfig(Section):
     # A trained module with no rule of its own: its parameters' per-example gradients by
     # torch.func (per_example, exact, materialized for that module), or refused by name.
     other_layers: Literal["per_example", "refuse"] = "per_example"
+    # fixed: g_i min(1, C / ||g_i||); automatic: C g_i / (||g_i|| + stability) (Bu et al. 2023,
+    # per-example normalization): every example contributes just under C, no C to tune.
+    clipping: Literal["fixed", "automatic"] = "fixed"
+    stability: float = Field(0.01, gt=0, le=1e6)  # automatic clipping's gamma
 
     @model_validator(mode="after")
     def _one_noise_spec(self) -> PrivacyConfig:

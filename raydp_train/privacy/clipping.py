@@ -75,14 +75,16 @@ class PerExampleClipper(LayerRecorder):
     """Accumulates sum_i clip(g_i, C) over micro-batches into a flat gradient buffer."""
 
     def __init__(self, model: nn.Module, clip_norm: float, rules: dict | None = None,
-                 other_layers: str = "per_example"):
+                 other_layers: str = "per_example", stability: float | None = None):
         """`rules` overrides the rule of chosen modules (LSG's low-rank carriers);
         `other_layers` (privacy.other_layers): a module with no rule takes the per-example
-        path ("per_example") or is refused ("refuse")."""
+        path ("per_example") or is refused ("refuse"); `stability`: automatic clipping,
+        c_i = C / (||g_i|| + stability), instead of min(1, C / ||g_i||)."""
         if not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         self.model = model
         self.clip_norm = float(clip_norm)
+        self.stability = stability
         refuse_batch_second(model)
         refuse_compiled(model)
         refuse_state_from_the_batch(model)
@@ -235,7 +237,9 @@ class PerExampleClipper(LayerRecorder):
         # A Gram form can cancel to a tiny or negative number: the clip factor comes from the
         # squared norm plus the bound on its rounding error, never below the true one.
         basis = (squared.clamp(min=0) + rounding).sqrt()
-        clip_factors = (self.clip_norm / basis.clamp(min=self.clip_norm)).to(self.flat_grad.dtype)
+        # Automatic clipping scales every example to just under C (Bu et al. 2023).
+        scale = basis + self.stability if self.stability else basis.clamp(min=self.clip_norm)
+        clip_factors = (self.clip_norm / scale).to(self.flat_grad.dtype)
         self.last_clip_basis, self.last_clip_factors = basis, clip_factors
         for _, module, rule in used:
             rule.add_clipped_sum(module, self._calls[module], clip_factors, self.slots[module])

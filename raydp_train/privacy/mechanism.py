@@ -79,7 +79,15 @@ class Mechanism:
         summed into one flat buffer bound as the trained parameters' `.grad`."""
         from raydp_train.privacy.clipping import PerExampleClipper
 
-        return PerExampleClipper(model, clip_norm, other_layers=self.other_layers)
+        return PerExampleClipper(model, clip_norm, other_layers=self.other_layers,
+                                 stability=self.stability)
+
+    @property
+    def stability(self) -> float | None:
+        """privacy.clipping automatic: its gamma; None: fixed clipping."""
+        if getattr(self.privacy, "clipping", "fixed") != "automatic":
+            return None
+        return self.privacy.stability
 
     @property
     def other_layers(self) -> str:
@@ -135,7 +143,7 @@ class LowRankSparse(Mechanism):
 
         self.lsg = LowRankSparseGradients(model, self.privacy.lsg, self.generator)
         engine = PerExampleClipper(model, clip_norm, rules=self.lsg.rules,
-                                   other_layers=self.other_layers)
+                                   other_layers=self.other_layers, stability=self.stability)
         self.lsg.bind(engine.slots, engine.flat_grad)
         return engine
 
