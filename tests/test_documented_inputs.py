@@ -32,6 +32,8 @@ RUN_ELSEWHERE = {
     "model.factory": "model.kind torch: tests/test_custom_model.py (a run on 2 workers)",
     "model.kwargs": "model.kind torch: tests/test_custom_model.py",
     "model.loss": "model.kind torch: tests/test_custom_model.py (the example on 2 workers)",
+    "model.fix": "model.kind torch: tests/test_fixes.py (validate --check-model; the fixed "
+                 "model against the per-example loop)",
     "data.label_kind": "real and multi_hot: tests/test_label_kinds.py (a regression and a "
                        "multi-label run on 2 workers, predict)",
     "data.max_rows": "tests/test_max_rows.py (a run on 2 workers)",
