@@ -132,3 +132,36 @@ def test_private_step_trains_the_model_with_the_self_check_on():
         private.step(torch.randn(6, 4, 6), torch.arange(6) % 3)
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert private.steps_done == 2
+
+
+class SharedWithALinear(nn.Module):
+    """A layer with no rule whose weight is a Linear's weight too (one tied parameter)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.t()) * 1.3
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(5, 5)
+        self.custom = SharedWithALinear(self.linear.weight)
+        self.lstm = nn.LSTM(5, 5, batch_first=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        hidden, _ = self.lstm(self.custom(self.linear(x)))
+        return self.head(hidden[:, -1])
+
+
+@pytest.mark.parametrize("clip_norm", [1e-3, 1e3])
+def test_a_parameter_shared_by_a_rule_and_the_path_is_exact(clip_norm):
+    torch.manual_seed(4)
+    model = Tied()
+    x, y = torch.randn(6, 4, 5), torch.arange(6) % 3
+    assert_engine_is_the_per_example_loop(model, losses, x, y, clip_norm)
+
