@@ -165,3 +165,49 @@ def test_a_parameter_shared_by_a_rule_and_the_path_is_exact(clip_norm):
     x, y = torch.randn(6, 4, 5), torch.arange(6) % 3
     assert_engine_is_the_per_example_loop(model, losses, x, y, clip_norm)
 
+
+
+class CentredScale(nn.Module):
+    """A learned gain on rows centred over the batch: mixes the examples of its call."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return (x - x.mean(0, keepdim=True)) * self.gain
+
+
+class MaskedMix(nn.Module):
+    """Attention-like: a [T, T] mask (not per example) beside [B, T, d] inputs."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width))
+
+    def forward(self, x, mask):
+        return (mask @ x) @ self.weight
+
+
+def test_a_module_on_the_path_that_mixes_its_call_is_refused_on_every_step():
+    """The examples' gradients must add up to the call's batch gradient: a module that mixes
+    rows fails it in the step itself, not only on the steps the self-check samples."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 6), CentredScale(6), nn.Linear(6, 3))
+    clipper = PerExampleClipper(model, 1.0)
+    with pytest.raises(UnsupportedLayerError, match=r"module '1' \(CentredScale\).*do not add "
+                                                    r"up to the batch's"):
+        clipper.accumulate(losses, model, torch.randn(5, 4), torch.arange(5) % 3)
+
+
+def test_an_argument_whose_first_axis_is_not_the_examples_is_refused():
+    torch.manual_seed(6)
+    mix = MaskedMix(3)
+    mask = torch.tril(torch.ones(4, 4)) / 4  # T = 4 = B: looks like a batched argument
+
+    def masked_losses(x, y):
+        return F.cross_entropy(mix(x, mask).sum(1), y, reduction="none")
+
+    clipper = PerExampleClipper(mix, 1.0)
+    with pytest.raises(UnsupportedLayerError, match="first axis is not the examples"):
+        clipper.accumulate(masked_losses, torch.randn(4, 4, 3), torch.arange(4) % 3)

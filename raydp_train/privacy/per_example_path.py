@@ -21,7 +21,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.random_state import random_state
@@ -57,6 +57,13 @@ class PerExamplePathRule(Rule):
                 "(privacy.other_layers: per_example) but its forward draws random numbers "
                 "(dropout in training mode), which the per-example recomputation would draw "
                 "again, differently; set its dropout to 0, or freeze its parameters") from None
+        except NotPerExampleError as error:
+            raise UnsupportedLayerError(
+                f"module '{label}' ({type(module).__name__}) takes the per-example path, but "
+                f"its examples' gradients do not add up to the batch's ({error}): its forward "
+                "mixes the examples of a call, or takes an argument whose first axis is not "
+                "the examples (a [T, T] mask with T equal to the batch size); give it "
+                "per-example arguments, or freeze it") from None
         calls.state["grads"] = grads
         return sum(g.reshape(g.shape[0], -1).square().sum(1) for g in grads.values())
 
@@ -85,6 +92,7 @@ def per_example_gradients(module: nn.Module, calls: LayerCalls,
         # the other layers' (trained) parameters along.
         with torch.no_grad():
             grads = _one_call(module, params, args, kwargs, output_grads, batch)
+            _check_the_sum(module, params, args, kwargs, output_grads, grads)
         grads = {n: g.detach() for n, g in grads.items()}
         total = {n: total[n] + g for n, g in grads.items()} if total else grads
     return total
@@ -119,7 +127,45 @@ def _one_call(module, params: dict, args: tuple, kwargs: dict, output_grads: lis
         except (RuntimeError, NotImplementedError, ValueError, TypeError) as error:
             if "random" in str(error).lower():
                 raise _draws_random_numbers(module) from None
-        return _loop(module, example, rows, cotangents, batch)
+        try:
+            return _loop(module, example, rows, cotangents, batch)
+        except RandomForwardError:
+            raise
+        except (RuntimeError, NotImplementedError, ValueError, TypeError,
+                IndexError) as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise NotPerExampleError(f"one example alone fails: {first_line[:200]}") from None
+
+
+class NotPerExampleError(ValueError):
+    """The examples' gradients of a call do not add up to the call's batch gradient."""
+
+
+def _check_the_sum(module, params: dict, args: tuple, kwargs: dict, output_grads: list,
+                   grads: dict[str, Tensor]) -> None:
+    """sum_i grad_i must be the VJP of the whole call: it is not when the forward mixes
+    examples, or when an argument was sliced by example that is not one (a [T, T] mask with
+    T = B). One more forward and backward of this module, on the whole batch."""
+    dtype = next(iter(params.values())).dtype
+    call_args, call_kwargs = tree_map(
+        lambda x: x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x,
+        (args, kwargs))
+
+    def outputs(p):
+        return tuple(_tensors(functional_call(module, p, call_args, call_kwargs)))
+
+    values, pull_back = vjp(outputs, params)
+    seeds = tuple(torch.zeros_like(v) if g is None else g.to(v.dtype)
+                  for v, g in zip(values, output_grads))
+    whole = pull_back(seeds)[0]
+    tolerance = torch.finfo(dtype).eps ** 0.5
+    for name, batch_grad in whole.items():
+        summed = grads[name].sum(0)
+        scale = max(float(grads[name].reshape(grads[name].shape[0], -1).norm(dim=1).sum()),
+                    1e-30)
+        error = float((summed - batch_grad).norm()) / scale
+        if error > tolerance:
+            raise NotPerExampleError(f"'{name}' off by {error:.2g} of its examples' norms")
 
 
 def _loop(module, example, rows: list, cotangents: list, batch: int) -> dict[str, Tensor]:
