@@ -1,4 +1,4 @@
-"""The Python API (issue 29): what `raydp-train validate | run | tune` do, as functions that
+"""The Python API: what `raydp-train validate | run | tune` do, as functions that
 return results; the CLI parses its arguments, calls these and prints.
 
     import raydp_train as rt

@@ -1,5 +1,5 @@
 """Several Ray nodes on one machine, each in its own Linux network namespace, for tests and
-benchmarks (issue 28): the network between them is a real one, of limited bandwidth.
+benchmarks: the network between them is a real one, of limited bandwidth.
 
     switch namespace  <prefix>-sw   a bridge, no address
     node namespaces   <prefix>-n0 (head), <prefix>-n1, ...   eth0 10.213.<k>.<i + 1>/24, lo

@@ -1,4 +1,4 @@
-"""Mutated pipelines and data files, for the fuzz of the whole input surface (issue 32):
+"""Mutated pipelines and data files, for the fuzz of the whole input surface:
 tests/test_input_fuzz.py runs a seeded sample in `make test`, benchmarks/input_fuzz.py the long
 mode. Each case is a pipeline file (and the data files it names) in a folder of its own; what
 must hold for it is in `check_outcome`.

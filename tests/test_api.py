@@ -1,4 +1,4 @@
-"""The Python API (issue 29): the Python blocks of README.md and of the API guide
+"""The Python API: the Python blocks of README.md and of the API guide
 (docs/guides/python-api.md) run as written, their runs spend what dp-accounting says, `raydp-train run` goes through the same function, and `import
 raydp_train` imports neither torch nor Ray."""
 

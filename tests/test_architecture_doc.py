@@ -31,8 +31,8 @@ ALLOWED_IN_PRIVACY = {"raydp_train.errors"}
 # The package's root is its public surface; every other module sits in its concept's package.
 PUBLIC_SURFACE = {"__init__.py", "__main__.py", "api.py", "errors.py"}
 MAX_MODULE_LINES = 300
-MAX_FUNCTION_LINES = 60  # a function read on one screen (issue 30)
-# A stop reason read back from its text (issue 30: the StopReason enum is compared instead).
+MAX_FUNCTION_LINES = 60  # a function read on one screen
+# A stop reason read back from its text (the StopReason enum is compared instead).
 TEXT_MATCHED_STOP = re.compile(
     r"stop(?:_reason)?\W*\]?\.(?:startswith|split)\(|"
     r"startswith\(\(?\"(?:interrupted|budget exhausted|target epsilon|reservation used up)")
@@ -381,3 +381,29 @@ def test_an_import_cycle_is_caught_even_through_a_lazy_import(tmp_path):
     assert import_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]
     (package / "sub/c.py").write_text("x = 1\n")
     assert import_cycle(import_graph(package)) == []
+
+
+HISTORY = re.compile(r"\b(issue|session) \d+\b", re.IGNORECASE)
+
+
+def history_mentions(paths, root: Path = ROOT) -> list[str]:
+    """Where code, tests or docs say when or in which issue something came: the CHANGELOG
+    and benchmarks/RESULTS.md keep history, nothing else."""
+    found = []
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if HISTORY.search(line):
+                found.append(f"{path.relative_to(root)}:{number}")
+    return found
+
+
+def test_no_code_test_or_doc_tells_which_issue_or_session_it_came_from():
+    paths = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py"),
+             *(ROOT / "docs").rglob("*.md"), ROOT / "README.md", DOC]
+    assert not history_mentions([p for p in paths if p.name != "test_architecture_doc.py"])
+
+
+def test_a_history_mention_is_caught(tmp_path):
+    (tmp_path / "m.py").write_text('"""Added in issue 12."""\n')
+    (tmp_path / "n.py").write_text('"""An issue, and 12 of them."""\n')
+    assert history_mentions([tmp_path / "m.py", tmp_path / "n.py"], tmp_path) == ["m.py:1"]

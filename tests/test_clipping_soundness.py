@@ -1,4 +1,4 @@
-"""The engine's soundness cases of issue 13, each against the naive per-example loop.
+"""The engine's soundness cases, each against the naive per-example loop.
 
 Shared inputs with different token views, parameters used outside their layer, outputs
 changed in place, batch-second modules, keyword calls, empty micro-batches and the Gram

@@ -1,4 +1,4 @@
-"""`model.kind: torch` (issue 29): a model from the user's own code. The shipped example's
+"""`model.kind: torch`: a model from the user's own code. The shipped example's
 clipped sum equals one backward pass per example (float64, < 1e-9); a factory that cannot be
 imported, called or used is refused by name before anything is spent; the example trains on 2
 Ray Train workers and spends what dp-accounting says."""

@@ -1,5 +1,5 @@
 """Every field of the pipeline reference (docs/reference/pipeline.md) runs through a real
-`raydp-train run` on a tiny dataset (issue 32), not only through validate: a few pipelines that together set every field,
+`raydp-train run` on a tiny dataset, not only through validate: a few pipelines that together set every field,
 and a check (no Ray) that they do, so a field added to the schema fails here until a run uses
 it; `predict` rebuilds each model kind from these runs (tests/conftest.py's session fixture:
 they run once, and pytest-xdist keeps a file's tests on one worker). The churn run is a
@@ -208,7 +208,7 @@ def test_each_documented_field_runs(name, documented_run):
         assert "validation_accuracy" in record["metrics"][-1]
 
 
-# `raydp-train predict` and `load_model` (issue 31) on each model kind as a documented run
+# `raydp-train predict` and `load_model` on each model kind as a documented run
 # leaves it: rebuilt from the run directory, on the test file the run scored.
 KINDS = {"mlp-string-labels": ("churn", "churn_test.parquet"),
          "cnn-tensors": ("tensors-cnn", "tensors_test.parquet"),

@@ -1,4 +1,4 @@
-"""Progress within a long epoch (issue 31): rank 0 shows where it is every PROGRESS_EVERY_S
+"""Progress within a long epoch: rank 0 shows where it is every PROGRESS_EVERY_S
 seconds, the driver prints it apart from the epoch rows, with the time left. No Ray: the loop
 in this process with a context that keeps what it shows, and the driver's printer reading the
 lines rank 0 appends to the run directory (train/progress_lines.py)."""

@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 31), in one fresh folder, with the README's commands and
+"""A new user's first hour, in one fresh folder, with the README's commands and
 files as a user makes them (pandas): their own churn table with raw columns and yes/no labels
 validated, run, stopped with Ctrl-C and run again with the same command, used through
 `predict`; an ASHA sweep on the same budget and its best model; a few hundred review sentences

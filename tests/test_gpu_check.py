@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh (issue 28): valid bash, and its CPU dry run passes wherever no GPU
+"""benchmarks/gpu_check.sh: valid bash, and its CPU dry run passes wherever no GPU
 is: the CUDA tests collected, the step benchmark on a sliver of each batch, the quickstart
 and an SST-2 subset through the CLI, one table at the end."""
 

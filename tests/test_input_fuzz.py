@@ -1,4 +1,4 @@
-"""A fuzz of the whole input surface (issue 32): 300 seeded mutations of the shipped pipelines
+"""A fuzz of the whole input surface: 300 seeded mutations of the shipped pipelines
 and of the data files they read (tests/fuzz_cases.py), each through `raydp-train validate`
 in this process. Each must end with exit 0, or exit 2/3 with an `error:` line (or validate's
 budget refusal), never a traceback or a hang (10 s). A sample also goes through `run`: a

@@ -1,4 +1,4 @@
-"""Labels that are not class ids (issue 29): `data.label_kind` real (regression) and multi_hot
+"""Labels that are not class ids: `data.label_kind` real (regression) and multi_hot
 (multi-label). The default losses' clipped sums equal one backward pass per example (float64,
 < 1e-9); the metrics and baselines equal numpy's; bad label columns and settings that cannot
 be private are refused by name; a regression (JSON lines) and a multi-label run (Parquet,

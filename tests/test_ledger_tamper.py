@@ -1,4 +1,4 @@
-"""A ledger that notices its own damage (issue 32): each kind of damage fails closed with one
+"""A ledger that notices its own damage: each kind of damage fails closed with one
 line naming the fragment (exit 2), never a lower epsilon, never a grant, never a traceback."""
 
 import shutil

@@ -1,4 +1,4 @@
-"""A ledger older than what was seen of it is refused (issue 51): the witness beside the
+"""A ledger older than what was seen of it is refused: the witness beside the
 ledger and each run record name the newest row they saw; a ledger restored from an older
 copy, or its tail deleted with its head marker, or rows rewritten without their hashes, fails
 closed in one line naming the witness, before anything more is granted."""

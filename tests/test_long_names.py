@@ -1,5 +1,5 @@
 """Names and paths a file system cannot hold, and data paths that are no file, are refused by
-`validate` (and so by `run` and `tune`) in one line, exit 2 (issue 51): never a traceback
+`validate` (and so by `run` and `tune`) in one line, exit 2: never a traceback
 from deep inside the run (`File name too long`), never a FIFO read forever."""
 
 import os

@@ -1,4 +1,4 @@
-"""A DP-LoRA run's `adapter/` loads the standard way (issue 31): `PeftModel.from_pretrained`
+"""A DP-LoRA run's `adapter/` loads the standard way: `PeftModel.from_pretrained`
 on the checkpoint the pipeline names, with nothing else, is the trained model: its test
 accuracy is the run's recorded one. On the real pretrained MiniLM, through `raydp-train run`,
 pooling [CLS]; a mean-pooled run's adapter (MiniLM's own pooling) is loaded on its wrapper,

@@ -100,7 +100,7 @@ def test_the_non_private_reference_spends_nothing_from_a_budget_and_has_no_epsil
 
 
 def test_only_the_registry_and_the_schema_name_mechanisms():
-    """Everything else asks the mechanism (issue 17: no branch on a mechanism's name)."""
+    """Everything else asks the mechanism (no branch on a mechanism's name)."""
     naming = re.compile(r'"lsg"|== "dpsgd"|== "none"|!= "dpsgd"|!= "none"|!= "lsg"')
     found = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
              if naming.search(path.read_text())}

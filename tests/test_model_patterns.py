@@ -1,4 +1,4 @@
-"""Model patterns outside the shipped families (issue 27), in float64 against one backward pass
+"""Model patterns outside the shipped families, in float64 against one backward pass
 per example: shared parameters of every kind, hooks that change a layer's input or output,
 activation checkpointing, stray uses of a trained weight (a custom autograd.Function, control
 flow some micro-batches take), re-parametrized and compiled models. Each is exact to 1e-9 or
@@ -52,7 +52,7 @@ def test_linear_layers_sharing_a_bias_or_weight_are_exact(share, layers, tokens)
 
 
 def test_shared_bias_never_lets_an_example_exceed_the_clip_norm():
-    """The case of issue 27 (1.53 C in a 3-layer model): every clipped contribution <= C."""
+    """The reported case (1.53 C in a 3-layer model): every clipped contribution <= C."""
     torch.manual_seed(0)
     model, x = Stack(("bias",), 3), torch.randn(8, 5)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,5 +1,5 @@
 """Runs across Ray nodes in their own network namespaces, joined by shaped links
-(tests/cluster_nodes.py; issue 28). Needs root, `ip` and `tc`: skipped with the reason
+(tests/cluster_nodes.py). Needs root, `ip` and `tc`: skipped with the reason
 otherwise (docs/guides/cluster.md)."""
 
 import contextlib

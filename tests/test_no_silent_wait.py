@@ -1,4 +1,4 @@
-"""No silent wait (issue 51): what can never be placed is refused before anything is spent,
+"""No silent wait: what can never be placed is refused before anything is spent,
 in one line; a wait for resources is said every 30 s; a driver outside the cluster joined by
 its GCS address is refused with Ray Client's address; an embedded Ray that did not start is
 tried once more, and says so."""

@@ -1,4 +1,4 @@
-"""The engine inside the user's own Ray Train loop (issue 29): the TorchTrainer example of
+"""The engine inside the user's own Ray Train loop: the TorchTrainer example of
 docs/guides/own-loop.md runs as written on 2 workers and spends quickstart.yaml's epsilon
 (dp-accounting's), its budget counts the same; on 2 workers one step's clipped sum equals one backward pass per
 example (float64) and its noise is ONE draw of std sigma*C; a budget refusal stops the loop

@@ -1,4 +1,4 @@
-"""`raydp-train predict RUN_DIR --data FILE` and `load_model` (issue 31) refuse what they cannot
+"""`raydp-train predict RUN_DIR --data FILE` and `load_model` refuse what they cannot
 read, each in one error. (Each model kind rebuilt from its run directory reproduces the run's
 test accuracy: tests/test_documented_inputs.py, on the documented runs.)"""
 

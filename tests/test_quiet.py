@@ -1,4 +1,4 @@
-"""Third-party output stays off the console unless `--verbose` (issue 16): no Ray start-up
+"""Third-party output stays off the console unless `--verbose`: no Ray start-up
 lines or token-authentication notice, no transformers load report, no progress bars.
 
 Each check runs a fresh process: what is printed depends on what a process set up before it

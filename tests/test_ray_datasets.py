@@ -1,4 +1,4 @@
-"""Ray Datasets through the Python API (`data.source: ray_dataset`, issue 29): the same rows
+"""Ray Datasets through the Python API (`data.source: ray_dataset`): the same rows
 handed over as Ray Datasets (several blocks) give the same seeded run as Parquet files, and the
 run records files that outlive the datasets; a pipeline and datasets that do not fit are
 refused by name before anything is spent."""

@@ -1,4 +1,4 @@
-"""A dead attempt's release log settles its reservation only if its lines chain (issue 51): a
+"""A dead attempt's release log settles its reservation only if its lines chain: a
 log cut inside a line, with a line removed or edited, or written before the chain, counts as
 lost (the reservation stays counted in full); a log cut at a line boundary is outweighed by
 the checkpoint the next attempt resumed from."""

@@ -1,4 +1,4 @@
-"""privacy.self_check (issue 27): the engine against one backward pass per example on the
+"""privacy.self_check: the engine against one backward pass per example on the
 user's own model. It passes on sound models (in float32 too, LSG's carriers and LoRA's
 adapters included), and with any one of the engine's fixes reverted it stops, naming the
 parameter: in the check itself, in a run's first step (nothing released), and in the
@@ -36,7 +36,7 @@ def check(model, x, clip_norm=0.05):
 
 
 def _old_cross_term(use_a, use_b):
-    """Before issue 27: every pair of Linear uses got the weight's cross term."""
+    """Before the fix: every pair of Linear uses got the weight's cross term."""
     if isinstance(use_a.rule, tied_weights.LinearRule) and isinstance(use_b.rule,
                                                                        tied_weights.LinearRule):
         return tied_weights._linear_linear
@@ -47,7 +47,7 @@ ORIGINAL_CROSS_TERM = tied_weights._cross_term
 
 
 def _hook_before_user_hooks(self, module):
-    """Before issue 27: the engine's forward hook ran after hooks registered before it."""
+    """Before the fix: the engine's forward hook ran after hooks registered before it."""
     self._handles[module] = (
         module.register_forward_pre_hook(self._on_forward_pre),
         module.register_forward_hook(self._on_forward, with_kwargs=True),

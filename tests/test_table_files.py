@@ -1,4 +1,4 @@
-"""`data.source: csv | json` (issue 29): the same rows as CSV, JSON lines or a JSON array read
+"""`data.source: csv | json`: the same rows as CSV, JSON lines or a JSON array read
 exactly as from Parquet (features, labels, splits), a bad file is refused naming it, and a
 seeded run on CSV and on JSON lines gives the same accuracy and epsilon as on Parquet."""
 

@@ -1,4 +1,4 @@
-"""run.loggers (issue 29): a run and a 2-trial sweep write CSV, TensorBoard and MLflow files
+"""run.loggers: a run and a 2-trial sweep write CSV, TensorBoard and MLflow files
 that read back with epsilon per epoch (dp-accounting's) and the budget left; a logger whose
 package is missing is refused by name before anything is spent."""
 

@@ -1,4 +1,4 @@
-"""Hostile YAML (issue 32): refused by `validate` with one line naming the bound, never a
+"""Hostile YAML: refused by `validate` with one line naming the bound, never a
 traceback or a hang (each took well under a second here)."""
 
 import time

@@ -1,4 +1,4 @@
-"""Ray Datasets handed to the Python API (`data.source: ray_dataset`, issue 29):
+"""Ray Datasets handed to the Python API (`data.source: ray_dataset`):
 
     rt.run(pipeline, datasets={"train": train_ds, "test": test_ds})
 

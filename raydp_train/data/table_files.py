@@ -1,4 +1,4 @@
-"""CSV and JSON data (`data.source: csv | json`, issue 29), read by pyarrow's own readers.
+"""CSV and JSON data (`data.source: csv | json`), read by pyarrow's own readers.
 
 Each file is read once and kept as a Parquet copy in the cache, keyed by its path, size and
 modification time; the data section then reads those copies as `source: parquet` does, so the

@@ -1,4 +1,4 @@
-"""`model.kind: torch`: a model from the user's own code (issue 29).
+"""`model.kind: torch`: a model from the user's own code.
 
 `model.factory` is "file.py:function" (a path, made absolute against the pipeline's folder by
 config/paths.py) or "package.module:function" (importable on the driver and every worker: an

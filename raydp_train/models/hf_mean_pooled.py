@@ -1,4 +1,4 @@
-"""A mean-pooled sequence classifier as transformers custom code (issue 31).
+"""A mean-pooled sequence classifier as transformers custom code.
 
 A run with `model.pooling: mean` saves its `model/` folder with this file beside the weights
 and a config.json whose `model_type` transformers does not know and whose `auto_map` names the

@@ -2,7 +2,7 @@
 a long epoch, one line of JSON each, appended to a file in the run directory. Ray Train keeps
 the run's checkpoints there, so every node of a cluster writes and reads it (README, "Running
 on a cluster"). A file needs no process of its own: the queue actor it replaced cost every
-run 0.85 CPU-s (benchmarks/RESULTS.md, session 29)."""
+run 0.85 CPU-s (benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
