@@ -33,9 +33,10 @@ says which fields): the naive loop would otherwise draw other masks than the eng
 and a module on the per-example path that draws random numbers is refused by name.
 torchvision and timm are not in the zoo: neither installs against the CPU torch of this
 environment. The two WRONG rows are one engine bug, probed on purpose at a micro-batch of
-as many examples as tokens (the T5 and MPNet rows above, at 3 of 5, are refused). ResNet is
-refused by design: BatchNorm mixes the examples of a batch (the fix:
-GroupNorm)."""
+as many examples as tokens (the T5 and MPNet rows above, at 3 of 5, are refused);
+`PrivateStep`'s self-check catches it when it checks such a step (SelfCheckError naming the
+bias's weight: tests/test_model_zoo.py), the engine alone does not. ResNet is refused by
+design: BatchNorm mixes the examples of a batch (the fix: GroupNorm)."""
 
 
 def cell(text: str) -> str:

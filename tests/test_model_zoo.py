@@ -14,8 +14,10 @@ from oracles import engine_sum_in_parameter_order, naive_clipped_sum
 from torch import nn
 from zoo_models import EXACT, KNOWN_BUGS, SHARED_LOOKUP, ZOO, check
 
+import raydp_train as rt
 from raydp_train.errors import UserError
 from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.privacy.self_check import SelfCheckError
 
 pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 
@@ -94,6 +96,19 @@ def test_an_embedding_looked_up_without_an_example_dimension_is_never_silently_w
     got = engine_sum_in_parameter_order(model, clipper)
     torch.testing.assert_close(stats.norms, norms, rtol=1e-9, atol=0)  # 1.6048 for 1.6208
     assert torch.linalg.norm(got - expected) / torch.linalg.norm(expected) < 1e-9
+
+
+def test_the_self_check_catches_the_embedding_looked_up_without_an_example_dimension():
+    """Where the engine alone is wrong (above), PrivateStep's self-check refuses before the
+    first noisy gradient is released."""
+    torch.manual_seed(0)
+    model = SharedBias(4)
+    private = rt.PrivateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), clip_norm=1e-3,
+                             noise_multiplier=0.5, expected_batch_size=4, num_examples=40,
+                             delta=1e-3, seed=0)
+    with pytest.raises(SelfCheckError, match="'bias.weight'"):
+        private.step(torch.randn(4, 4), torch.arange(4) % 3)
+    assert private.steps_done == 0
 
 
 class Table(nn.Module):
