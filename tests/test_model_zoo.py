@@ -131,7 +131,6 @@ class TableModel(nn.Module):
         return self.head(x + self.bias())
 
 
-@pytest.mark.xfail(strict=True, raises=StopIteration, reason=KNOWN_BUGS["Swin"])
 def test_a_module_called_without_arguments_is_refused_by_name():
     torch.manual_seed(0)
     model = TableModel()

@@ -302,12 +302,6 @@ SHARED_LOOKUP = ("WRONG, silently: an Embedding looked up with ids that have no 
 KNOWN_BUGS = {
     "T5 encoder, one micro-batch of T examples": SHARED_LOOKUP,
     "MPNet, one micro-batch of T examples": SHARED_LOOKUP,
-    "Swin": ("crash: a module on the per-example path whose forward takes no argument "
-             "(Swin's relative position bias) raises StopIteration in "
-             "layer_recording._layer_input instead of a refusal by name"),
-    "BEiT": ("crash: a module on the per-example path whose first argument is not a tensor "
-             "(BEiT's relative position bias, called with the window size) raises "
-             "AttributeError in layer_recording._record_whole_call instead of a refusal"),
 }
 
 

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raydp_train.privacy.covered_layers import BatchDimensionError
 from raydp_train.privacy.owned_parameters import owned_parameters
-from raydp_train.privacy.rule_registry import LayerCalls
+from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError
 
 
 class LayerRecorder:
@@ -98,7 +98,15 @@ class LayerRecorder:
 
     def _record_whole_call(self, module: nn.Module, args: tuple, kwargs: dict, output):
         """Every argument, and the gradient of every floating-point tensor of the output."""
-        layer_input = _layer_input(module, args, kwargs)
+        layer_input = next((x for x in tree_flatten((args, kwargs))[0]
+                            if isinstance(x, Tensor) and x.dim() > 0), None)
+        if layer_input is None:
+            label = next(name for name, layer, _ in self.layers if layer is module)
+            raise UnsupportedLayerError(
+                f"module '{label}' ({type(module).__name__}) is called without the examples "
+                "(no tensor argument with the example axis first), so its parameters are "
+                "shared by every example of the batch (a relative position bias table), which "
+                "per-example clipping cannot attribute to one example; freeze it")
         calls = self._calls.setdefault(module, LayerCalls())
         calls.inputs.append(layer_input.detach())
         calls.input_versions.append(layer_input._version)
