@@ -37,7 +37,7 @@ def test_fix_replaces_batch_statistics_and_the_model_is_then_exact():
         PerExampleClipper(model, 1.0)
     changes = rt.fix(model)
     assert changes == [
-        "model.fix: module '1' (BatchNorm2d) -> GroupNorm(2, 6)",
+        "model.fix: module '1' (BatchNorm2d) -> GroupNorm(3, 6)",
         "model.fix: module '4' (InstanceNorm2d) -> InstanceNorm2d without running statistics",
         "model.fix: module '7' (BatchNorm1d) -> GroupNorm(1, 3)",
     ]
@@ -67,7 +67,7 @@ def test_a_pipeline_with_model_fix_validates_and_says_what_it_changed(tmp_path, 
         "training: {epochs: 1, batch_size: 64}\n")
     assert main(["validate", str(pipeline), "--check-model"]) == 0
     err = capsys.readouterr().err
-    assert "model.fix: module '1' (BatchNorm2d) -> GroupNorm(2, 2)" in err
+    assert "model.fix: module '1' (BatchNorm2d) -> GroupNorm(1, 2)" in err
     pipeline.write_text(pipeline.read_text().replace(", fix: true", ""))
     assert main(["validate", str(pipeline), "--check-model"]) == 2
     assert "model.fix" in capsys.readouterr().err

@@ -35,6 +35,10 @@ REFUSED = {
     "SigLIP vision": r"BatchDimensionError: module '.*position_embedding' \(Embedding\) was "
                      r"called with leading dimension 1",
     "ResNet (BatchNorm)": r"UnsupportedLayerError: module '.*normalization' \(BatchNorm2d\)",
+    "Swin": r"UnsupportedLayerError: module '.*relative_position_bias' "
+            r"\(SwinRelativePositionBias\) is called without the examples",
+    "BEiT": r"UnsupportedLayerError: module '.*relative_position_bias' "
+            r"\(BeitRelativePositionBias\) is called without the examples",
 }
 
 

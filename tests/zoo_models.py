@@ -120,6 +120,18 @@ def vision(config_class: str, model_class: str, dropout: dict, size: int = 8,
         lambda x: m(pixel_values=x).logits, x, y), ", ".join(dropout))
 
 
+def fixed(entry: Zoo) -> Zoo:
+    """The entry with `raydp_train.fix` applied: BatchNorm replaced by GroupNorm."""
+    from raydp_train.privacy.fixes import fix
+
+    def build() -> nn.Module:
+        model = entry.build()
+        fix(model)
+        return model
+
+    return entry._replace(build=build)
+
+
 class PooledHead(nn.Module):
     """A Linear head on a transformers backbone's mean-pooled last hidden state."""
 
@@ -289,6 +301,8 @@ ZOO: dict[str, Zoo] = {
                        depths=[1, 1], num_stages=2),
     "ResNet (BatchNorm)": vision("ResNetConfig", "ResNetForImageClassification", {},
                                  embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]),
+    "ResNet, model.fix": fixed(vision("ResNetConfig", "ResNetForImageClassification", {},
+                                      embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])),
     # torch's own layers.
     "nn.TransformerEncoder": torch_sequence("transformer"),
     "LSTM classifier": torch_sequence("LSTM"),

@@ -1,8 +1,9 @@
 """What can be made private automatically (ARCHITECTURE.md §2.3), as Opacus's
 `ModuleValidator.fix`: `model.fix: true` in a pipeline, `raydp_train.fix(model)` in Python.
 
-    BatchNorm1d/2d/3d (C channels)      -> GroupNorm(gcd(C, 32), C), its affine scale and shift
-                                           kept: each example normalized by itself
+    BatchNorm1d/2d/3d (C channels)      -> GroupNorm(g, C), g the most groups (at most 32) of
+                                           at least 2 channels each, its affine scale and
+                                           shift kept: each example normalized by itself
     InstanceNorm with running statistics -> the same InstanceNorm without them
 
 Each change is one line naming the module. What cannot be changed without changing what the
@@ -11,8 +12,6 @@ names the fix by hand.
 """
 
 from __future__ import annotations
-
-from math import gcd
 
 import torch
 from torch import nn
@@ -56,13 +55,20 @@ def _replacement(module: nn.Module) -> nn.Module | None:
 
 def _group_norm(norm: _BatchNorm) -> nn.GroupNorm:
     channels = norm.num_features
-    fixed = nn.GroupNorm(gcd(channels, MAX_GROUPS), channels, norm.eps, affine=norm.affine)
+    fixed = nn.GroupNorm(_groups(channels), channels, norm.eps, affine=norm.affine)
     if norm.affine:
         with torch.no_grad():
             fixed.weight.copy_(norm.weight)
             fixed.bias.copy_(norm.bias)
         fixed.requires_grad_(norm.weight.requires_grad)
     return fixed.to(**_placement(norm))
+
+
+def _groups(channels: int) -> int:
+    """The most groups, at most MAX_GROUPS, that divide the channels into groups of at least
+    two: a group of one channel has nothing to normalize over at a 1 x 1 spatial size."""
+    fitting = [g for g in range(1, MAX_GROUPS + 1) if channels % g == 0 and channels // g >= 2]
+    return max(fitting, default=1)
 
 
 def _placement(module: nn.Module) -> dict:
