@@ -32,10 +32,10 @@ the formula in float64; with the norm weights frozen, Llama, Qwen3 and Phi-3 are
 says which fields): the naive loop would otherwise draw other masks than the engine's pass,
 and a module on the per-example path that draws random numbers is refused by name.
 torchvision and timm are not in the zoo: neither installs against the CPU torch of this
-environment. The two WRONG rows are one engine bug, probed on purpose at a micro-batch of
-as many examples as tokens (the T5 and MPNet rows above, at 3 of 5, are refused);
-`PrivateStep`'s self-check catches it when it checks such a step (SelfCheckError naming the
-bias's weight: tests/test_model_zoo.py), the engine alone does not. ResNet is refused by
+environment. The T5 and MPNet rows "one micro-batch of T examples" probe, on purpose, a
+micro-batch of as many examples as a relative position table has rows, where the shape check
+alone passed and the engine took the table's rows for examples: the first pass's check of the
+example axis (the batch grown by one row) refuses them. ResNet is refused by
 design: BatchNorm mixes the examples of a batch (the fix: GroupNorm)."""
 
 

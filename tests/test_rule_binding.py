@@ -144,6 +144,6 @@ def test_a_position_lookup_of_one_row_is_a_user_error():
     model = Positions()
     clipper = PerExampleClipper(model, 1.0)
     ids, y = torch.randint(0, 10, (4, 5)), torch.arange(4) % 3
-    with pytest.raises(BatchDimensionError, match="leading dimension 1") as raised:
+    with pytest.raises(BatchDimensionError, match="first axis is not the examples") as raised:
         clipper.accumulate(losses, model, ids, y)
     assert isinstance(raised.value, UserError)

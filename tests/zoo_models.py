@@ -310,13 +310,7 @@ ZOO: dict[str, Zoo] = {
 }
 
 # Where the engine falls short of "exact or refused by name" (reproductions in the tests).
-SHARED_LOOKUP = ("WRONG, silently: an Embedding looked up with ids that have no example "
-                 "dimension (a relative attention bias, [T, T] bucket ids) is taken as "
-                 "per-example when T equals the micro-batch size; the norms are under-estimated")
-KNOWN_BUGS = {
-    "T5 encoder, one micro-batch of T examples": SHARED_LOOKUP,
-    "MPNet, one micro-batch of T examples": SHARED_LOOKUP,
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def check(name: str) -> Outcome:

@@ -45,6 +45,7 @@ from raydp_train.privacy.covered_layers import (
     slot_views,
     trained_names,
 )
+from raydp_train.privacy.example_axis import check_example_axis
 from raydp_train.privacy.layer_recording import LayerRecorder
 from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
@@ -124,6 +125,7 @@ class PerExampleClipper(LayerRecorder):
             self._hook(module)
         # What trains is fixed here: every rule, slot and the optimizer's view rest on it.
         self._trained_names = trained_names(model)
+        self._example_axis_checked = False  # on the first micro-batch (example_axis.py)
 
     # ------------------------------------------------------------------ public
     def accumulate(self, compute_losses: Callable[..., Tensor], *args) -> MicroBatchStats:
@@ -134,6 +136,9 @@ class PerExampleClipper(LayerRecorder):
         layer's forward in this pass is refused by name before anything is summed.
         """
         check_trained_set(self.model, self._trained_names)
+        if not self._example_axis_checked:
+            check_example_axis(self.layers, compute_losses, args)
+            self._example_axis_checked = True
         self._keep_hooks_innermost()
         state = random_state()
         try:
