@@ -151,3 +151,30 @@ def test_private_step_class_refuses_the_mixing_model_on_its_first_step():
         private.step(x, y)
     assert private.steps_done == 0
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def _one_pair(h):
+    """Only rows 3 and 4 of the batch mix; every other row is its own."""
+    mixed = h.clone()
+    mixed[3], mixed[4] = 0.5 * (h[3] + h[4]), 0.5 * (h[4] + h[3])
+    return mixed
+
+
+def test_a_model_that_mixes_one_pair_of_rows_is_stopped_on_every_draw():
+    """Sampled removals catch a single mixing pair only sometimes; the pass that weighs each
+    row's loss by its own random weight catches any gradient crossing between rows."""
+    MIXES["one pair"] = _one_pair
+    try:
+        torch.manual_seed(0)
+        model = Mixing("one pair").train()
+        x, y = _batch(rows=8)
+        for draw in range(20):
+            clipper = PerExampleClipper(model, 0.05)
+            try:
+                report = compare_with_per_example(clipper, losses, (model, x, y),
+                                                  chooser=random.Random(draw))
+            finally:
+                clipper.close()
+            assert not report.passed and report.mixing_error > report.tolerance, draw
+    finally:
+        del MIXES["one pair"]

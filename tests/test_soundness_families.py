@@ -54,8 +54,10 @@ class TrainingMix(nn.Module):
 
 def _mixes(rng: random.Random, batch: int):
     start, shift = rng.randint(1, max(1, batch // 2)), rng.randint(1, batch - 1)
-    permutation = torch.randperm(batch, generator=torch.Generator().manual_seed(
-        rng.randrange(2**31)))
+    generator = torch.Generator().manual_seed(rng.randrange(2**31))
+    permutation = torch.arange(batch)
+    while torch.equal(permutation, torch.arange(batch)):  # the identity mixes nothing
+        permutation = torch.randperm(batch, generator=generator)
     weight = rng.uniform(0.05, 0.95)
     return {
         "roll": lambda h: (1 - weight) * h + weight * h.roll(shift, 0),

@@ -13,7 +13,10 @@ nothing and their inputs are replaced by other rows', so nothing of them is left
 batch; a model that mixes examples (in training mode only, from row 2 on, by any means)
 changes the other rows' gradients and fails the equation. One more pass removes a random half
 H of the rows at once: every other row's per-example norm must stay as it was, and the rows of
-H must get none (a kept row's loss reaching a removed row's activations mixes them).
+H must get none (a kept row's loss reaching a removed row's activations mixes them). A last
+pass weighs every row's loss by its own random w_i: every row's norm must scale by w_i, which
+any gradient crossing from one row's loss to another row's activations breaks, for every
+pair of rows at once.
 
 Every pass runs in the model's own mode (training, dropout on) from the same random state and
 in the batch's shape, so each row draws the same dropout mask and rounds alike in every pass;
@@ -122,8 +125,10 @@ def compare_with_per_example(
         factors = clipper.last_clip_factors
         parts = clipper.last_norm_parts
         removed = _removal(clipper, compute_losses, args, chosen, chooser, first_state, full)[0]
-        report.mixing_error = _half_removed(clipper, compute_losses, args, chooser,
-                                            first_state, full, stats.norms)
+        report.mixing_error = max(
+            _half_removed(clipper, compute_losses, args, chooser, first_state, full,
+                          stats.norms),
+            _reweighted(clipper, compute_losses, args, chooser, first_state, stats.norms))
         slow = slow_way(clipper, compute_losses, args, chosen, first_state)
     finally:
         clipper.flat_grad.copy_(saved)
@@ -195,6 +200,29 @@ def _half_removed(clipper, compute_losses, args: tuple, chooser, state, full: Te
     expected[removed] = 0
     changed = float((after - expected).abs().max())
     return changed / max(float(norms.max()), clipper.clip_norm)
+
+
+def _reweighted(clipper, compute_losses, args: tuple, chooser, state, norms: Tensor) -> float:
+    """Every row's loss weighed by its own random w_i in [0.5, 2): without mixing, row i's
+    gradient is w_i times its own, so its norm must be w_i n_i. Any loss whose gradient
+    reaches another row's activations (a roll, a permutation, a batch mean: mixing after a
+    trained layer) moves a norm off that, whichever rows it joins: one pass for every pair."""
+    count = batch_size(args)
+    if count < 2:
+        return 0.0
+    chooser = chooser or random.Random(os.urandom(16))
+    weights = torch.tensor([chooser.uniform(0.5, 2.0) for _ in range(count)])
+
+    def weighed_losses(*batch) -> Tensor:
+        losses = compute_losses(*batch)
+        return losses * weights.to(losses.device, losses.dtype)
+
+    clipper.flat_grad.zero_()
+    restore_random_state(state)
+    after = clipper.accumulate(weighed_losses, *args).norms
+    expected = norms * weights.to(norms.device, norms.dtype)
+    changed = float((after - expected).abs().max())
+    return changed / max(float(expected.max()), clipper.clip_norm)
 
 
 def _compare(clipper, report: SelfCheckReport, chosen: list[int], engine_norms: Tensor,
