@@ -78,16 +78,20 @@ def test_the_check_stops_every_mixing_model_in_training_mode(how):
     first two rows passed all four)."""
     torch.manual_seed(0)
     model = Mixing(how).train()
-    x, y = _batch()
-    for draw in range(20):
-        clipper = PerExampleClipper(model, 0.05)
-        try:
-            report = compare_with_per_example(clipper, losses, (model, x, y),
-                                              chooser=random.Random(draw))
-        finally:
-            clipper.close()
+    for draw, report in enumerate(_checks(model, *_batch(), draws=20)):
         assert not report.passed, f"draw {draw}: {report}"
         assert report.message().startswith("privacy.self_check: removing one example")
+
+
+def _checks(model, x, y, draws: int):
+    """The self-check's report on (x, y) for `draws` different draws of its rows."""
+    for draw in range(draws):
+        clipper = PerExampleClipper(model, 0.05)
+        try:
+            yield compare_with_per_example(clipper, losses, (model, x, y),
+                                           chooser=random.Random(draw))
+        finally:
+            clipper.close()
 
 
 def test_in_eval_mode_the_same_models_are_sound_and_pass():
@@ -167,14 +171,7 @@ def test_a_model_that_mixes_one_pair_of_rows_is_stopped_on_every_draw():
     try:
         torch.manual_seed(0)
         model = Mixing("one pair").train()
-        x, y = _batch(rows=8)
-        for draw in range(20):
-            clipper = PerExampleClipper(model, 0.05)
-            try:
-                report = compare_with_per_example(clipper, losses, (model, x, y),
-                                                  chooser=random.Random(draw))
-            finally:
-                clipper.close()
+        for draw, report in enumerate(_checks(model, *_batch(rows=8), draws=20)):
             assert not report.passed and report.mixing_error > report.tolerance, draw
     finally:
         del MIXES["one pair"]
