@@ -42,26 +42,27 @@ def _replacement(module: nn.Module) -> nn.Module | None:
     if isinstance(module, _BatchNorm):
         return _group_norm(module)
     if isinstance(module, _InstanceNorm) and module.track_running_stats:
-        fixed = type(module)(module.num_features, module.eps, module.momentum, module.affine,
-                             track_running_stats=False)
-        if module.affine:
-            with torch.no_grad():
-                fixed.weight.copy_(module.weight)
-                fixed.bias.copy_(module.bias)
-            fixed.requires_grad_(module.weight.requires_grad)
-        return fixed.to(**_placement(module))
+        return _carried_over(module, type(module)(
+            module.num_features, module.eps, module.momentum, module.affine,
+            track_running_stats=False))
     return None
 
 
 def _group_norm(norm: _BatchNorm) -> nn.GroupNorm:
     channels = norm.num_features
-    fixed = nn.GroupNorm(_groups(channels), channels, norm.eps, affine=norm.affine)
-    if norm.affine:
+    return _carried_over(norm, nn.GroupNorm(_groups(channels), channels, norm.eps,
+                                            affine=norm.affine))
+
+
+def _carried_over(old: nn.Module, new: nn.Module) -> nn.Module:
+    """`new` with `old`'s affine scale and shift (trained or frozen as they were), on its
+    device and in its dtype."""
+    if old.affine:
         with torch.no_grad():
-            fixed.weight.copy_(norm.weight)
-            fixed.bias.copy_(norm.bias)
-        fixed.requires_grad_(norm.weight.requires_grad)
-    return fixed.to(**_placement(norm))
+            new.weight.copy_(old.weight)
+            new.bias.copy_(old.bias)
+        new.requires_grad_(old.weight.requires_grad)
+    return new.to(**_placement(old))
 
 
 def _groups(channels: int) -> int:
