@@ -24,9 +24,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=0 --durations-min=10
 
-# The edit loop: math, schema, ledger, engine; no Ray and no other process (tests/conftest.py).
+# The edit loop: math, schema, ledger, engine; no Ray, no other process (tests/conftest.py) and
+# none of the long randomized or PLD checks (marked thorough), which `make test` runs.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not ray and not slow and not cluster"
+	$(BIN)/python -m pytest -m "not ray and not slow and not cluster and not thorough"
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a missing
 # page or an API name the code no longer has fails the build. A few seconds.

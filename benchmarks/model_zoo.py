@@ -8,6 +8,7 @@ per-example path and the seconds the check took. Writes its section of RESULTS.m
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -34,9 +35,14 @@ and a module on the per-example path that draws random numbers is refused by nam
 torchvision and timm are not in the zoo: neither installs against the CPU torch of this
 environment. The T5 and MPNet rows "one micro-batch of T examples" probe, on purpose, a
 micro-batch of as many examples as a relative position table has rows, where the shape check
-alone passed and the engine took the table's rows for examples: the first pass's check of the
-example axis (the batch grown by one row) refuses them. ResNet is refused by
-design: BatchNorm mixes the examples of a batch (the fix: GroupNorm)."""
+alone once took the table's rows for examples: the first pass's probe of the example axis (the
+batch grown by one row) finds the lookup shared by the examples, and the table takes the
+per-example path with one backward per example (ARCHITECTURE.md §2.3), as Swin's and BEiT's
+tables do. OPT's and Swin's Linear layers read tokens or windows folded into the first axis
+([B T, d]); CLIP's and SigLIP's position tables are looked up with [1, N] ids and expanded to
+the batch. DeBERTa-v2 reads its relative embeddings' weight outside the Embedding's forward
+(freeze it to train the rest). ResNet with BatchNorm is refused by design: BatchNorm mixes the
+examples of a batch (the fix, model.fix: GroupNorm, is the row below it)."""
 
 
 def cell(text: str) -> str:
@@ -53,6 +59,11 @@ def row(name: str, result: Outcome) -> str:
     path = ", ".join(f"`{module}`" for module in result.per_example_path) or "-"
     return (f"| {cell(name)} | {cell(outcome)} | {path} | {ZOO[name].dropout or '-'} | "
             f"{result.seconds:.2f} |")
+
+
+def machine_line() -> str:
+    return (f"Machine: {machine_facts()}; 1-minute load {os.getloadavg()[0]:.1f} at the end "
+            "(the seconds are the check's wall time, other work included).")
 
 
 def section(results: dict[str, Outcome]) -> str:
@@ -72,7 +83,7 @@ def section(results: dict[str, Outcome]) -> str:
     header = ("| architecture | outcome | modules on the per-example path | dropout set to 0 "
               "| seconds |")
     return "\n".join([
-        "## Model zoo (benchmarks/model_zoo.py)", "", f"Machine: {machine_facts()}.", "",
+        "## Model zoo (benchmarks/model_zoo.py)", "", machine_line(), "",
         method, "", header, "|---|---|---|---|---:|",
         *(row(name, result) for name, result in results.items()), "", summary, "", NOTES])
 

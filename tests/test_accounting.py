@@ -86,6 +86,7 @@ def test_bad_arguments(kwargs, match):
         (4.0, 0.08, 375, "pld"),
     ],
 )
+@pytest.mark.thorough
 def test_calibration_is_tight_and_smallest(target, q, steps, accountant):
     sigma = calibrate_noise_multiplier(target, DELTA, q, steps, accountant)
     eps = epsilon_spent(q, sigma, steps, DELTA, accountant)

@@ -161,6 +161,7 @@ def run_audit(pipeline, trials=100, seed=0):
     return audit_pipeline(pipeline, dataset, plan, trials, seed=seed)
 
 
+@pytest.mark.thorough
 @pytest.mark.parametrize("noise_multiplier,kind", [(4.0, "logistic"), (0.5, "mlp")])
 def test_the_lower_bound_stays_below_the_claimed_epsilon(noise_multiplier, kind):
     result = run_audit(small_pipeline(noise_multiplier, kind))

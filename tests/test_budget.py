@@ -43,6 +43,7 @@ def _accountant(tmp_path, epsilon=10.0, accountant="rdp", name="b"):
 HETEROGENEOUS = [(0.01, 1.1, 300), (0.05, 0.9, 40), (0.02, 2.0, 500), (0.01, 1.1, 100)]
 
 
+@pytest.mark.thorough
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_budget_epsilon_equals_dp_accounting_composition(tmp_path, accountant):
     budget = _accountant(tmp_path, epsilon=50.0, accountant=accountant)
@@ -96,6 +97,7 @@ def test_retried_reserve_is_answered_not_granted_twice(tmp_path):
     assert len(budget.ledger.rows()) == 2  # the open row and one reservation
 
 
+@pytest.mark.thorough
 def test_restart_rebuilds_identical_status_from_the_ledger(tmp_path):
     budget = _accountant(tmp_path, accountant="pld")
     kept = budget.reserve("r1", "a", Spend(0.02, 1.0, 100))

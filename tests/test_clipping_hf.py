@@ -4,9 +4,13 @@ BERT, RoBERTa, DistilBERT and GPT-2 against a naive per-example loop, padding in
 import pytest
 import torch
 import torch.nn.functional as F
-from oracles import engine_sum_in_parameter_order, naive_clipped_sum
+from oracles import (
+    assert_engine_is_the_per_example_loop,
+    engine_sum_in_parameter_order,
+    naive_clipped_sum,
+)
 
-from raydp_train.privacy.clipping import BatchDimensionError, PerExampleClipper
+from raydp_train.privacy.clipping import PerExampleClipper
 
 transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 
@@ -35,12 +39,13 @@ def losses(model, ids, labels, per_example_positions=True):
     return F.cross_entropy(logits, labels, reduction="none")
 
 
-def test_bert_with_broadcast_position_ids_is_refused():
+def test_bert_with_broadcast_position_ids_is_exact():
+    """position_ids [1, T], broadcast over the batch: each example reads its own copy."""
+    torch.manual_seed(0)
     model = tiny_bert()
     ids, labels = torch.randint(0, 40, (BATCH, TOKENS)), torch.randint(0, 2, (BATCH,))
-    clipper = PerExampleClipper(model, 1.0)
-    with pytest.raises(BatchDimensionError, match="position_embeddings"):
-        clipper.accumulate(losses, model, ids, labels, False)
+    assert_engine_is_the_per_example_loop(
+        model, lambda m, x, y: losses(m, x, y, False), ids, labels, 0.05)
 
 
 def test_query_key_and_value_share_one_input_gram(monkeypatch):

@@ -88,6 +88,7 @@ def test_a_prefix_that_cannot_be_cached_is_refused(model, expected):
         FrozenPrefix(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.thorough
 def test_a_run_with_the_cache_trains_the_same_model():
     """worker.train with and without the cache, seeded, dropout off: the same steps."""
     config = {**ARCHITECTURES["bert"], "num_hidden_layers": 3}

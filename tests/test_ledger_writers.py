@@ -51,6 +51,7 @@ def test_interleaved_accountants_grant_what_one_would(tmp_path):
     assert budget_status("b", str(tmp_path / "shared")) == first.status() == second.status()
 
 
+@pytest.mark.thorough
 def test_racing_threads_with_their_own_accountants_never_overspend(tmp_path):
     fits = _fits(tmp_path, 8.0)
     accountants = _accountants(tmp_path, 3, 8.0)

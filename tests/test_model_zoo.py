@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from oracles import naive_clipped_sum
+from oracles import assert_engine_is_the_per_example_loop
 from torch import nn
 from zoo_models import EXACT, KNOWN_BUGS, ZOO, check
 
@@ -25,19 +25,9 @@ pytestmark = pytest.mark.usefixtures("float64")
 # Refused, and why (the start of the refusal, as a pattern).
 NOT_THE_EXAMPLES = r"BatchDimensionError: module '.*' \(.*\) is called with an input whose first axis"
 REFUSED = {
-    "DeBERTa-v2": NOT_THE_EXAMPLES,  # its relative embeddings, projected without the batch
-    "OPT": NOT_THE_EXAMPLES,  # fc1 gets the tokens flattened to [B T, d]
-    "T5 encoder": NOT_THE_EXAMPLES,  # relative_attention_bias: [T, T] bucket ids
-    "MPNet": NOT_THE_EXAMPLES,
-    "T5 encoder, one micro-batch of T examples": NOT_THE_EXAMPLES,
-    "MPNet, one micro-batch of T examples": NOT_THE_EXAMPLES,
-    "CLIP vision": NOT_THE_EXAMPLES,  # position_embedding looked up with a [1, N] buffer
-    "SigLIP vision": NOT_THE_EXAMPLES,
+    # get_rel_embedding reads rel_embeddings.weight outside the Embedding's own forward
+    "DeBERTa-v2": r"ParameterUseError: trained parameter '.*rel_embeddings.weight' is used",
     "ResNet (BatchNorm)": r"UnsupportedLayerError: module '.*normalization' \(BatchNorm2d\)",
-    "Swin": r"UnsupportedLayerError: module '.*relative_position_bias' "
-            r"\(SwinRelativePositionBias\) is called without the examples|" + NOT_THE_EXAMPLES,
-    "BEiT": r"UnsupportedLayerError: module '.*relative_position_bias' "
-            r"\(BeitRelativePositionBias\) is called without the examples|" + NOT_THE_EXAMPLES,
 }
 
 
@@ -78,38 +68,43 @@ class SharedBias(nn.Module):
     """As T5's and MPNet's relative attention bias: an Embedding looked up with ids without an example
     dimension ([T]), its output broadcast over the batch."""
 
-    def __init__(self, tokens: int):
+    def __init__(self, tokens: int, dropout: float = 0.0):
         super().__init__()
         self.tokens, self.bias, self.head = tokens, nn.Embedding(tokens, 1), nn.Linear(tokens, 3)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
-        return self.head(x + self.bias(torch.arange(self.tokens)).squeeze(-1))
+        return self.head(self.dropout(x + self.bias(torch.arange(self.tokens)).squeeze(-1)))
 
 
-def test_an_embedding_looked_up_without_an_example_dimension_is_never_silently_wrong():
-    """Before the example-axis check, B = T passed the shape check and the engine took the
-    table's T rows for T examples (norms 1.6048 for 1.6208): now refused on the first pass."""
+def test_an_embedding_looked_up_without_an_example_dimension_is_exact():
+    """A table shared by the batch, with B = T (the shape check alone once took its T rows for
+    T examples: norms 1.6048 for 1.6208): each example's gradient by a backward of its own."""
     torch.manual_seed(0)
     model, x, y = SharedBias(4), torch.randn(4, 4), torch.arange(4) % 3  # T = B = 4
-    expected, norms, _ = naive_clipped_sum(model, losses, x, y, 1e-3)
-    clipper = PerExampleClipper(model, 1e-3)
+    assert_engine_is_the_per_example_loop(model, losses, x, y, 1e-3)
+
+
+def test_a_shared_table_is_refused_where_other_layers_are():
+    torch.manual_seed(0)
+    model, x, y = SharedBias(4), torch.randn(4, 4), torch.arange(4) % 3
+    clipper = PerExampleClipper(model, 1e-3, other_layers="refuse")
     with pytest.raises(UserError, match=r"module 'bias' \(Embedding\) is called with an input "
                                         r"whose first axis is not the examples"):
         clipper.accumulate(losses, model, x, y)
-    assert expected.norm() > 0 and norms.min() > 1e-3  # every example would be clipped
 
 
-def test_the_self_check_catches_the_embedding_looked_up_without_an_example_dimension():
-    """Where the engine alone is wrong (above), PrivateStep's self-check refuses before the
-    first noisy gradient is released."""
+def test_a_shared_table_trains_under_the_self_check():
+    """PrivateStep's self-check (leave-one-out, every example clipped, in training mode with
+    dropout: each example's backward reads the batch's masks) passes, and the step is released."""
     torch.manual_seed(0)
-    model = SharedBias(4)
+    model = SharedBias(4, dropout=0.3).train()
     private = rt.PrivateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), clip_norm=1e-3,
                              noise_multiplier=0.5, expected_batch_size=4, num_examples=40,
                              delta=1e-3, seed=0)
-    with pytest.raises(UserError, match="module 'bias'"):
-        private.step(torch.randn(4, 4), torch.arange(4) % 3)
-    assert private.steps_done == 0
+    private.step(torch.randn(4, 4), torch.arange(4) % 3)
+    assert private.steps_done == 1
+    assert private.clipper.shared_calls == ["bias"]
 
 
 class Table(nn.Module):
@@ -132,9 +127,8 @@ class TableModel(nn.Module):
         return self.head(x + self.bias())
 
 
-def test_a_module_called_without_arguments_is_refused_by_name():
+def test_a_module_called_without_arguments_is_exact():
+    """As Swin's relative position bias: no input at all, its output shared by the batch."""
     torch.manual_seed(0)
-    model = TableModel()
-    clipper = PerExampleClipper(model, 1.0)
-    with pytest.raises(UserError, match="'bias'"):
-        clipper.accumulate(losses, model, torch.randn(5, 4), torch.arange(5) % 3)
+    assert_engine_is_the_per_example_loop(TableModel(), losses, torch.randn(5, 4),
+                                          torch.arange(5) % 3, 0.5)

@@ -49,7 +49,7 @@ ORIGINAL_CROSS_TERM = tied_weights._cross_term
 def _hook_before_user_hooks(self, module):
     """Before the fix: the engine's forward hook ran after hooks registered before it."""
     self._handles[module] = (
-        module.register_forward_pre_hook(self._on_forward_pre),
+        module.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True),
         module.register_forward_hook(self._on_forward, with_kwargs=True),
     )
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn.functional as F
 from oracles import leave_one_out, naive_clipped_sum, per_example_grads
@@ -283,6 +284,7 @@ FAMILIES = {"per-example path": per_example_path, "mixing in training mode": mix
             "overridden forwards": overridden, "late (un)freezing": late_freezing}
 
 
+@pytest.mark.thorough
 def test_every_family_is_refused_stopped_or_sound(request):
     count = request.config.getoption("--long") or 200
     outcomes, failures = Counter(), []

@@ -126,6 +126,7 @@ def reproduction(program: Program, reason: str) -> str:
     return f"# generated model, seed {program.seed}: {reason}\n{program.script()}"
 
 
+@pytest.mark.thorough
 def test_generated_models_are_exact_or_refused(request):
     count = request.config.getoption("--long") or 300
     failures, kinds, outcomes = [], Counter(), Counter()

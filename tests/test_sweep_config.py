@@ -193,6 +193,7 @@ SPACE = "training.batch_size: {choice: [64, 256]}, training.epochs: {grid: [2, 6
     # each trial's sigma calibrated to epsilon 3 for its own (q, steps); public validation rows
     [f"tune.search_space={{{SPACE}}}", "privacy.noise_multiplier=null",
      "privacy.target_epsilon=3", "data.validation.private=false"]])
+@pytest.mark.thorough
 def test_a_searched_batch_size_and_epochs_are_bounded_by_one_costliest_trial(noise):
     """Every (batch, epochs, sigma) a trial can get costs no more, at any delta, than the
     bound validate and random stopping use: the largest q, the most steps and releases, and

@@ -268,6 +268,7 @@ def test_a_forked_check_reports_its_error_or_its_death():
         dying.result()
 
 
+@pytest.mark.thorough
 def test_a_process_running_ray_is_never_forked(tmp_path, monkeypatch):
     """A sweep's driver (Ray's threads running) checks its candidates without forking."""
     import types

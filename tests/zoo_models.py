@@ -254,8 +254,8 @@ ZOO: dict[str, Zoo] = {
                          num_heads=2, relative_attention_num_buckets=4, dropout_rate=0.0),
                       text, classification_losses, "dropout_rate", FLOAT32_INSIDE),
     # T5's (and MPNet's) relative attention bias looks its Embedding up with [T, T] bucket
-    # ids, no example dimension: refused where T differs from the micro-batch size, not where
-    # they are equal.
+    # ids, no example dimension: a call shared by the examples. A micro-batch of T examples
+    # checks that the table's T rows are never taken for T examples.
     "T5 encoder, one micro-batch of T examples": Zoo(
         hf("T5Config", "T5EncoderModel", lambda m: PooledHead(m, 16), vocab_size=VOCAB,
            d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,

@@ -45,13 +45,14 @@ from raydp_train.privacy.covered_layers import (
     slot_views,
     trained_names,
 )
-from raydp_train.privacy.example_axis import check_example_axis
+from raydp_train.privacy.example_axis import NO_CHANGE, check_example_axis, leading_size
 from raydp_train.privacy.layer_recording import LayerRecorder
 from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
 from raydp_train.privacy.random_state import random_state, restore_random_state
 from raydp_train.privacy.rounding import full_precision_matmuls, gamma
 from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError, cast_recorded
+from raydp_train.privacy.shared_calls import SharedOutputs, take_shared_path
 from raydp_train.privacy.tied_weights import TieTerm, find_ties, tie_terms
 
 __all__ = [
@@ -90,9 +91,11 @@ class PerExampleClipper(LayerRecorder):
         refuse_compiled(model)
         refuse_state_from_the_batch(model)
         self.layers = covered_layers(model, rules or {}, other_layers)
+        self.other_layers = other_layers
         self._records_call = {module for _, module, rule in self.layers if rule.records_call}
         # The modules without a rule of their own, by name (the run record lists them).
         self.per_example_path = [name for name, module, rule in self.layers if rule.records_call]
+        self.shared_calls: list[str] = []  # of those, the modules called without the examples
         self.ties = find_ties(self.layers)
         # A tied parameter is owned by several layers but trained (and slotted) once.
         owned = {id(p): p for _, module, _ in self.layers for p in own_trainable(module)}
@@ -126,6 +129,7 @@ class PerExampleClipper(LayerRecorder):
         # What trains is fixed here: every rule, slot and the optimizer's view rest on it.
         self._trained_names = trained_names(model)
         self._example_axis_checked = False  # on the first micro-batch (example_axis.py)
+        self._axes, self._pass_batch, self._shared_outputs = NO_CHANGE, None, SharedOutputs()
 
     # ------------------------------------------------------------------ public
     def accumulate(self, compute_losses: Callable[..., Tensor], *args) -> MicroBatchStats:
@@ -137,8 +141,11 @@ class PerExampleClipper(LayerRecorder):
         """
         check_trained_set(self.model, self._trained_names)
         if not self._example_axis_checked:
-            check_example_axis(self.layers, compute_losses, args)
+            self._axes = check_example_axis(self.layers, compute_losses, args,
+                                            share=self.other_layers == "per_example")
+            self._take_shared_path()
             self._example_axis_checked = True
+        self._pass_batch = leading_size(args)
         self._keep_hooks_innermost()
         state = random_state()
         try:
@@ -152,6 +159,13 @@ class PerExampleClipper(LayerRecorder):
             return MicroBatchStats(losses.detach(), self._clip_and_sum(losses.shape[0]))
         finally:
             self._calls = {}
+
+    def _take_shared_path(self) -> None:
+        if self._axes.shared:
+            self.layers = take_shared_path(self.layers, self.ties, self._axes.shared)
+            self._records_call = {m for _, m, rule in self.layers if rule.records_call}
+            self.per_example_path = [n for n, _, rule in self.layers if rule.records_call]
+            self.shared_calls = [n for n, m, _ in self.layers if m in self._axes.shared]
 
     def bind_grads(self) -> Tensor:
         """(Re)bind every `.grad` to the flat buffer and return it. Binding at the start of a
@@ -213,6 +227,7 @@ class PerExampleClipper(LayerRecorder):
 
     def _backward(self, losses: Tensor) -> None:
         try:
+            self._shared_outputs.per_example_gradients(losses)
             losses.sum().backward()
         except RuntimeError:
             # Autograd refuses a tensor it saved and the model then changed in place; when

@@ -22,6 +22,8 @@ class EmbeddingRule(Rule):
     a T x T token-equality Gram nor a dense V x d per-example gradient is ever formed.
     """
 
+    folds_examples = True
+
     def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
         return ("weight",)
 

@@ -19,8 +19,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raydp_train.privacy.covered_layers import BatchDimensionError
+from raydp_train.privacy.example_axis import ExampleAxes, expanded_call
 from raydp_train.privacy.owned_parameters import owned_parameters
-from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError
+from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError, fold
+from raydp_train.privacy.shared_calls import SharedOutputs
 
 
 class LayerRecorder:
@@ -32,6 +34,9 @@ class LayerRecorder:
     _handles: dict[nn.Module, tuple]
     _ghost_leaf: Tensor
     _records_call: set[nn.Module]  # modules whose rule keeps every argument and output
+    _axes: ExampleAxes  # folded and shared-table layers (example_axis.py)
+    _pass_batch: int | None  # the examples of the pass being recorded
+    _shared_outputs: SharedOutputs  # the outputs of the pass's shared calls
     parameters: list[Tensor]
     layers: list  # (name, module, rule) of every covered layer
 
@@ -40,7 +45,7 @@ class LayerRecorder:
         may use the parameters) and our forward hook first after it (before any hook that
         changes the output: the rules need d loss / d(the layer's own output))."""
         self._handles[module] = (
-            module.register_forward_pre_hook(self._on_forward_pre),
+            module.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True),
             module.register_forward_hook(self._on_forward, with_kwargs=True, prepend=True),
         )
 
@@ -53,16 +58,21 @@ class LayerRecorder:
                 post.remove()
                 self._hook(module)
 
-    def _on_forward_pre(self, module: nn.Module, args: tuple) -> None:
+    def _on_forward_pre(self, module: nn.Module, args: tuple, kwargs: dict):
         """Inside its own forward a layer computes with detached parameters (ghost
-        differentiation); everywhere else the parameters still require grad."""
-        if not self._recording or not torch.is_grad_enabled():
-            return
-        own = self._swapped.setdefault(module, {})
-        for name, param in owned_parameters(module).items():
-            owner, leaf = _owner(module, name)
-            own[name] = param
-            owner._parameters[leaf] = param.detach()
+        differentiation); everywhere else the parameters still require grad. A shared
+        table's call reads one copy per example."""
+        if not self._recording:
+            return None
+        if torch.is_grad_enabled():
+            own = self._swapped.setdefault(module, {})
+            for name, param in owned_parameters(module).items():
+                owner, leaf = _owner(module, name)
+                own[name] = param
+                owner._parameters[leaf] = param.detach()
+        if module in self._axes.expanded and (self._pass_batch or 1) > 1:
+            return expanded_call(args, kwargs, self._pass_batch)
+        return None
 
     def _restore_parameters(self, module: nn.Module) -> None:
         for name, param in self._swapped.pop(module, {}).items():
@@ -97,9 +107,13 @@ class LayerRecorder:
         return _hooked_output(output, keep_grad)
 
     def _record_whole_call(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        """Every argument, and the gradient of every floating-point tensor of the output."""
+        """Every argument, and the gradient of every floating-point tensor of the output (for
+        a call shared by the examples: each example's, shared_calls.py)."""
+        shared = module in self._axes.shared
         layer_input = next((x for x in tree_flatten((args, kwargs))[0]
                             if isinstance(x, Tensor) and x.dim() > 0), None)
+        if shared:
+            layer_input = torch.empty(self._pass_batch or 0, 0)
         if layer_input is None:
             label = next(name for name, layer, _ in self.layers if layer is module)
             raise UnsupportedLayerError(
@@ -117,6 +131,12 @@ class LayerRecorder:
                     if isinstance(x, Tensor) and x.is_floating_point()]
         grads: list[Tensor | None] = [None] * len(floating)
         calls.output_grads.append(grads)
+        if shared:
+            for i in floating:
+                leaves[i] = leaves[i] if leaves[i].requires_grad else leaves[i] + self._ghost_leaf
+            self._shared_outputs.add(calls, len(calls.output_grads) - 1,
+                                     [leaves[i] for i in floating])
+            return tree_unflatten(leaves, spec)
         for k, i in enumerate(floating):
             tensor = leaves[i] if leaves[i].requires_grad else leaves[i] + self._ghost_leaf
 
@@ -134,22 +154,45 @@ class LayerRecorder:
             calls = self._calls.get(module)
             if calls is None:
                 continue
-            for x in calls.inputs:
-                if x.shape[0] != batch_size:
-                    raise BatchDimensionError(
-                        f"module '{name}' ({type(module).__name__}) was called with leading "
-                        f"dimension {x.shape[0]} but the batch has {batch_size} examples; "
-                        "per-example clipping needs the example dimension first (e.g. pass "
-                        "position_ids of shape [B, T], not [1, T])"
-                    )
+            self._fold_examples(name, module, calls, batch_size)
             # A call whose output did not reach the loss contributes a zero gradient.
             kept = [k for k, g in enumerate(calls.output_grads) if _reached_the_loss(g)]
             if kept:
                 calls.inputs = [calls.inputs[k] for k in kept]
                 calls.output_grads = [calls.output_grads[k] for k in kept]
                 calls.arguments = [calls.arguments[k] for k in kept] if calls.arguments else []
+                if "folds" in calls.state:
+                    calls.state["folds"] = [calls.state["folds"][k] for k in kept]
                 used.append((name, module, rule))
         return used
+
+    def _fold_examples(self, name: str, module: nn.Module, calls: LayerCalls,
+                       batch_size: int) -> None:
+        """Each call's input, and output gradient, as [B, ...], or as [B, k, ...] where the
+        probe found k rows an example (example_axis.py); a per-example-path call keeps its
+        arguments as they were and learns each call's k."""
+        if module in self._axes.shared:
+            calls.state["folds"] = [0] * len(calls.inputs)  # no argument is by example
+            return
+        folds = []
+        for x in calls.inputs:
+            rows = x.shape[0]
+            if rows != batch_size and not (module in self._axes.folded and batch_size
+                                           and rows % batch_size == 0):
+                raise BatchDimensionError(
+                    f"module '{name}' ({type(module).__name__}) was called with leading "
+                    f"dimension {rows} but the batch has {batch_size} examples; "
+                    "per-example clipping needs the example dimension first (e.g. pass "
+                    "position_ids of shape [B, T], not [1, T])"
+                )
+            folds.append(rows // batch_size if batch_size else 1)
+        if module not in self._axes.folded:
+            return
+        calls.state["folds"] = folds
+        calls.inputs = [fold(x, batch_size) for x in calls.inputs]
+        if module not in self._records_call:
+            calls.output_grads = [None if g is None else fold(g, batch_size)
+                                  for g in calls.output_grads]
 
     def _check_inputs_unchanged(self) -> None:
         for name, module, _ in self.layers:

@@ -123,6 +123,8 @@ def cat_tokens(tensors: list[Tensor]) -> Tensor:
 class LinearRule(Rule):
     """nn.Linear: input [B, ..., m], output gradient [B, ..., n]."""
 
+    folds_examples = True
+
     def tokens(self, module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """Both as [B, T, features] (T = 1 for plain vectors)."""
         return x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
@@ -210,6 +212,8 @@ class LinearRule(Rule):
 @register_rule(nn.Conv1d, nn.Conv2d)
 class ConvRule(LinearRule):
     """nn.Conv1d / nn.Conv2d: unfold the input into patches, then the Linear rule applies."""
+
+    folds_examples = False  # its input's axes after the examples are channels and space
 
     def token_view(self, module: nn.Module) -> tuple:
         """Unfolded patches: channels as features, one token per output position."""

@@ -72,6 +72,7 @@ class LoraRule(Rule):
     two rank-r carriers, so the [n, m] weight gradient of W is never formed."""
 
     _tokens = LinearRule()
+    folds_examples = True
 
     def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
         return ("lora_A", "lora_B")

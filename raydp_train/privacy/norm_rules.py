@@ -57,6 +57,8 @@ class NormRule(MaterializedRule):
     """gamma_i = sum_t G_i[t] * normalized(x_i[t]) (beta_i = sum_t G_i[t] when there is a
     bias), summed over the non-normalized axes; padding tokens cut first."""
 
+    folds_examples = True
+
     def per_example_grads(self, module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
         shape = self.normalized_shape(module)
         x, g = _drop_padded_tokens(x, g, len(shape))

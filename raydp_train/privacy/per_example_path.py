@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.random_state import random_state
-from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError
+from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError, fold
 
 # The most memory one module's per-example gradients may take ([B, *parameters]): beyond it,
 # the module is refused by name (freeze it, register a rule, or lower the micro-batch).
@@ -36,6 +36,7 @@ class PerExamplePathRule(Rule):
     """Any module's own trained parameters, per example, by torch.func."""
 
     records_call = True  # the hooks keep every argument and every output tensor's gradient
+    folds_examples = True  # example i's call is its k rows (per_example_gradients)
 
     def __init__(self):
         self.labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -84,39 +85,46 @@ def per_example_gradients(module: nn.Module, calls: LayerCalls,
     owned = owned_parameters(module)
     params = {name: owned[name].detach() for name in names}
     total: dict[str, Tensor] = {}
-    for (args, kwargs), output_grads in zip(calls.arguments, calls.output_grads):
+    batch = calls.inputs[0].shape[0]
+    folds = calls.state.get("folds") or [1] * len(calls.arguments)
+    for (args, kwargs), output_grads, k in zip(calls.arguments, calls.output_grads, folds):
         if output_grads is None:
             continue
-        batch = calls.inputs[0].shape[0]
         # torch.func differentiates inside; no_grad keeps the outer autograd from recording
         # the other layers' (trained) parameters along.
         with torch.no_grad():
-            grads = _one_call(module, params, args, kwargs, output_grads, batch)
-            _check_the_sum(module, params, args, kwargs, output_grads, grads)
+            grads = _one_call(module, params, (args, kwargs), output_grads, batch, k)
+            summed = output_grads if k else [None if g is None else g.sum(0)
+                                              for g in output_grads]
+            _check_the_sum(module, params, args, kwargs, summed, grads)
         grads = {n: g.detach() for n, g in grads.items()}
         total = {n: total[n] + g for n, g in grads.items()} if total else grads
     return total
 
 
-def _one_call(module, params: dict, args: tuple, kwargs: dict, output_grads: list,
-              batch: int) -> dict[str, Tensor]:
-    leaves, spec = tree_flatten((args, kwargs))
-    batched = [isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == batch for x in leaves]
+def _one_call(module, params: dict, call: tuple, output_grads: list, batch: int,
+              k: int) -> dict[str, Tensor]:
+    """Example i's call: the rows i k .. i k + k - 1 of every argument with k * batch rows
+    (k = 1 but for examples folded into the first axis, example_axis.py); k = 0: the whole
+    call, shared by the examples, at example i's output gradients (shared_calls.py)."""
+    leaves, spec = tree_flatten(call)
+    batched = [k > 0 and isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == batch * k
+               for x in leaves]
     dtype = next(iter(params.values())).dtype
-    rows = [x.to(dtype) if x.is_floating_point() else x
+    rows = [fold(x.to(dtype) if x.is_floating_point() else x, batch)
             for x, b in zip(leaves, batched) if b]
-    cotangents = list(output_grads)
+    cotangents = [fold(g, batch) if k and g is not None else g for g in output_grads]
 
     def example(example_rows: list, example_cotangents: list) -> dict[str, Tensor]:
         filled = iter(example_rows)
-        call_leaves = [next(filled).unsqueeze(0) if b else x for x, b in zip(leaves, batched)]
+        call_leaves = [next(filled) if b else x for x, b in zip(leaves, batched)]
         call_args, call_kwargs = tree_unflatten(call_leaves, spec)
 
         def outputs(p):
             return tuple(_tensors(functional_call(module, p, call_args, call_kwargs)))
 
         values, pull_back = vjp(outputs, params)
-        seeds = tuple(torch.zeros_like(v) if g is None else g.unsqueeze(0).to(v.dtype)
+        seeds = tuple(torch.zeros_like(v) if g is None else g.to(v.dtype)
                       for v, g in zip(values, example_cotangents))
         return pull_back(seeds)[0]
 

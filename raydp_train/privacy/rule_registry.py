@@ -65,6 +65,11 @@ def cast_recorded(calls: list[LayerCalls], dtype: torch.dtype) -> None:
         recorded.output_grads = [to_dtype(g) for g in recorded.output_grads]
 
 
+def fold(x: Tensor, batch: int) -> Tensor:
+    """[k * batch, ...] rows, example after example, as [batch, k, ...]."""
+    return x.reshape(batch, x.shape[0] // batch, *x.shape[1:])
+
+
 class Rule:
     """Per-example squared norms and clipped sums of one kind of layer.
 
@@ -76,6 +81,10 @@ class Rule:
     # True: the hooks keep every argument of each call and the gradient of every tensor of its
     # output (the per-example path), not only the first input and the output's gradient.
     records_call = False
+    # True: the rule sums over every axis between the examples and the features, so a call
+    # whose rows fold k rows an example into the first axis can be given as [B, k, ...]
+    # (example_axis.py); False: such a call is refused.
+    folds_examples = False
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise UnsupportedLayerError, naming the module `name`, for settings the rule cannot
