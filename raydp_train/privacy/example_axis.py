@@ -5,7 +5,8 @@ whose ids have no example axis (a relative position bias looked up with [T, T] b
 passes that check whenever the micro-batch happens to hold T examples, and its T rows would be
 taken for T examples: norms under-estimated, silently. So once per engine, on its first
 micro-batch, the forward runs again without gradients on the batch grown by one row (its first
-row repeated), and every covered layer's input must have grown with it, in one of three ways:
+row repeated), and once more on the batch itself (a [T, T] lookup with T = B + 1 passes the
+first), and every covered layer's input must have grown with it, in one of three ways:
 
 - by one row: the examples are its first axis;
 - by k rows, the last k repeating the first k: the examples are folded into the first axis,
@@ -48,7 +49,7 @@ NO_CHANGE = ExampleAxes(frozenset(), frozenset(), frozenset())
 
 def check_example_axis(layers: list, compute_losses: Callable[..., Tensor], args: tuple,
                        share: bool = True) -> ExampleAxes:
-    """How each covered layer's input followed the batch from B to B + 1 (see above); with
+    """How each covered layer's input follows the batch from B to B + 1 (see above); with
     `share` False, a shared call is refused by name. Nothing happens without tensor arguments
     (a closure over its data), or when the model cannot take the grown batch."""
     size = leading_size(args)
@@ -56,22 +57,26 @@ def check_example_axis(layers: list, compute_losses: Callable[..., Tensor], args
         return NO_CHANGE
     grown, batch = _grown(args), size + 1
     seen: dict[nn.Module, list[tuple]] = {}
-    recorders = {m: _recorder(seen, m, batch) for _, m, _ in layers}
-    losses = _probe(layers, compute_losses, grown, recorders)
+    losses = _probe(layers, compute_losses, grown,
+                    {m: _recorder(seen, m, batch) for _, m, _ in layers})
     if losses is None:
         return NO_CHANGE
+    # The same at the batch's own size: a [T, T] lookup with T = B + 1 passes the grown one.
+    before: dict[nn.Module, list[tuple]] = {}
+    _probe(layers, compute_losses, args, {m: _recorder(before, m, size) for _, m, _ in layers})
     folded, one_row, shared = set(), [], {}
     for name, module, rule in layers:
-        for rows, first, last in seen.get(module, ()):
-            if rows == batch:
-                continue
-            if rows == 1:
+        sizes = [rows for rows, _, _ in before.get(module, ())]
+        for j, (rows, first, last) in enumerate(seen.get(module, ())):
+            small = sizes[j] if j < len(sizes) else None  # None: calls differ in number
+            k = rows // batch
+            followed = rows and not rows % batch and small in (k * size, None)
+            if rows == 1 and small in (1, None):
                 one_row.append((name, module))
-            elif rows > 1 and rows % batch == 0 and rule.folds_examples \
-                    and _same_rows(first, last):
-                folded.add(module)
-            else:
+            elif not followed or (k > 1 and not (rule.folds_examples and _same_rows(first, last))):
                 shared[module] = (name, rows)
+            elif k > 1:
+                folded.add(module)
     for name, module in _not_expandable(layers, compute_losses, grown, batch, losses, one_row):
         shared[module] = (name, 1)
     if shared and not share:
