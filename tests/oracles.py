@@ -114,6 +114,23 @@ def assert_exact_clipping_all_and_none(model, example_losses, inputs, norm_rtol=
     assert_exact(model, example_losses, inputs, none, norm_rtol)  # none clipped
 
 
+def engine_is_the_loop(model, example_losses, inputs, labels) -> bool:
+    """The engine's norms and clipped sum equal the per-example loop's (relative 1e-9), with
+    every example clipped and with none: for randomized suites, which count what differs."""
+    per_example = per_example_grads(model, example_losses, inputs, labels)
+    true_norms = per_example.norm(dim=1)
+    for clip_norm in (0.5 * true_norms.min().item() + 1e-12, 2 * true_norms.max().item() + 1):
+        clipper = PerExampleClipper(model, clip_norm)
+        stats = clipper.accumulate(example_losses, model, inputs, labels)
+        got = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        clipper.close()
+        expected = (per_example * (clip_norm / true_norms.clamp(min=clip_norm))[:, None]).sum(0)
+        if not torch.allclose(stats.norms, true_norms, rtol=1e-9) or \
+                (got - expected).norm() > 1e-9 * expected.norm() + 1e-12:
+            return False
+    return True
+
+
 def leave_one_out(model, losses_of_rows, batch: int, clip_norm: float,
                   **engine_settings) -> list[float]:
     """||S(D) - S(D without k)|| / C for every example k, S the engine's own clipped sum
