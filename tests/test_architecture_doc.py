@@ -319,7 +319,7 @@ def names_compared(package: Path, names, allowed=("privacy/mechanism.py",)) -> l
 
 
 def test_no_mechanism_or_task_name_is_compared_outside_the_registries():
-    from raydp_train.config.data_model import TASK_HAS_LABELS
+    from raydp_train.config.model import TASK_HAS_LABELS
     from raydp_train.privacy.mechanism import MECHANISMS
 
     names = [*MECHANISMS, *TASK_HAS_LABELS]

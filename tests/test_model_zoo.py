@@ -20,7 +20,8 @@ from raydp_train.privacy.clipping import PerExampleClipper
 
 pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 
-pytestmark = pytest.mark.usefixtures("float64")
+# The whole zoo runs in `make test`; `make test-fast` leaves it out (a minute or more).
+pytestmark = [pytest.mark.usefixtures("float64"), pytest.mark.thorough]
 
 # Refused, and why (the start of the refusal, as a pattern).
 NOT_THE_EXAMPLES = r"BatchDimensionError: module '.*' \(.*\) is called with an input whose first axis"

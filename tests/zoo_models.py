@@ -303,6 +303,19 @@ ZOO: dict[str, Zoo] = {
                                  embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]),
     "ResNet, model.fix": fixed(vision("ResNetConfig", "ResNetForImageClassification", {},
                                       embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])),
+    # Mobile and designed-space convolutional networks (depthwise and grouped convolutions),
+    # with BatchNorm replaced by GroupNorm as for ResNet; MobileViT mixes them with attention.
+    "MobileNetV2, model.fix": fixed(vision(
+        "MobileNetV2Config", "MobileNetV2ForImageClassification",
+        {"classifier_dropout_prob": 0.0}, depth_multiplier=0.25, min_depth=4)),
+    "RegNet, model.fix": fixed(vision("RegNetConfig", "RegNetForImageClassification", {},
+                                      size=16, embedding_size=8, hidden_sizes=[8, 16],
+                                      depths=[1, 1], groups_width=4)),
+    "MobileViT, model.fix": fixed(vision(
+        "MobileViTConfig", "MobileViTForImageClassification",
+        {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+         "classifier_dropout_prob": 0.0}, size=16, hidden_sizes=[8, 8, 8],
+        neck_hidden_sizes=[4, 4, 8, 8, 8, 8, 16], num_attention_heads=2)),
     # torch's own layers.
     "nn.TransformerEncoder": torch_sequence("transformer"),
     "LSTM classifier": torch_sequence("LSTM"),

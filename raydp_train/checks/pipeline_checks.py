@@ -68,6 +68,7 @@ def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes:
     import torch
 
     from raydp_train.models.builders import build_model
+    from raydp_train.models.frozen_precision import keep_frozen_in
     from raydp_train.models.hf_prefix import FrozenPrefix
     from raydp_train.privacy.mechanism import make_mechanism
 
@@ -78,6 +79,7 @@ def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes:
     model = build_model(pipeline.model, feature_shape, num_classes, weights, _say)
     engine = make_mechanism(pipeline.privacy, torch.Generator()).attach(
         model, pipeline.privacy.clip_norm)
+    keep_frozen_in(model, getattr(pipeline.model, "frozen_dtype", "fp32"))
     try:
         check_loss(pipeline, model, feature_shape, num_classes)
         check_engine(pipeline, model, engine, feature_shape, num_classes)

@@ -3,7 +3,7 @@ config/overrides.py).
 
 This is the only module that reads the raw config. Everything else receives a validated
 `Pipeline`, so a field's default and its allowed range are written down exactly once, here
-or in the section modules it assembles (`config/data_model.py`, `config/privacy.py`,
+or in the section modules it assembles (`config/data.py`, `config/model.py`, `config/privacy.py`,
 `config/training.py`, `config/sweep.py`).
 """
 
@@ -17,20 +17,22 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from raydp_train.config.base import SafeName, Section, Seed, WrittenPath
-from raydp_train.config.data_model import (
-    CnnModel,
+from raydp_train.config.data import (
     DataConfig,
     DigitsData,
+    ParquetData,
+    SyntheticData,
+    ValidationSplit,
+)
+from raydp_train.config.errors import FieldProblem, PipelineError, describe, show, yaml_problem
+from raydp_train.config.model import (
+    CnnModel,
     HFModel,
     LogisticModel,
     MlpModel,
     ModelConfig,
-    ParquetData,
-    SyntheticData,
-    ValidationSplit,
     is_causal_lm,
 )
-from raydp_train.config.errors import FieldProblem, PipelineError, describe, show, yaml_problem
 from raydp_train.config.overrides import apply_overrides
 from raydp_train.config.paths import resolve_relative_paths
 from raydp_train.config.privacy import LoraConfig, LsgConfig, PrivacyConfig, mechanism_settings

@@ -44,7 +44,7 @@ def with_ray_datasets(pipeline: Pipeline, datasets: dict | None,
             fields["validation"] = {**fields["validation"], "path": written}
         else:
             fields[SPLITS[split]] = written
-    from raydp_train.config.data_model import ParquetData
+    from raydp_train.config.data import ParquetData
 
     parquet = ParquetData.model_validate(fields)
     return pipeline.model_copy(update={"data": parquet})

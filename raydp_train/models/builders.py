@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from raydp_train.config.data_model import is_causal_lm
+from raydp_train.config.model import is_causal_lm
 from raydp_train.errors import UserError
 
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}

@@ -136,7 +136,7 @@ def _released_model(run_dir: Path, pipeline):
     import torch
 
     config = pipeline.model
-    from raydp_train.config.data_model import is_causal_lm
+    from raydp_train.config.model import is_causal_lm
 
     if is_causal_lm(config):
         raise PredictError(f"{run_dir}: a causal language model; use `raydp-train generate`")

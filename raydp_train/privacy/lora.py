@@ -62,7 +62,9 @@ class LoraLinear(nn.Module):
         return weight + self.scaling * (self.lora_B @ self.lora_A)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.merged_weight(), self.base_layer.bias)
+        weight, bias = self.merged_weight(), self.base_layer.bias
+        # A base kept in bf16 (model.frozen_dtype): W + s B A is promoted, the bias cast.
+        return F.linear(x, weight, None if bias is None else bias.to(weight.dtype))
 
 
 @register_rule(LoraLinear)
@@ -138,9 +140,13 @@ def merged(model: nn.Module) -> nn.Module:
     plain = deepcopy(model)
     for name, module in list(plain.named_modules()):
         if isinstance(module, LoraLinear):
-            layer, weight = module.base_layer, module.merged_weight()
-            with torch.no_grad():
-                layer.weight.copy_(weight.t() if _transposed(layer) else weight)
+            layer, weight = module.base_layer, module.merged_weight().detach()
+            # In the merged dtype: a bf16 base (model.frozen_dtype) would round B A away.
+            layer.weight = nn.Parameter(weight.t().contiguous() if _transposed(layer) else weight,
+                                        requires_grad=False)
+            if layer.bias is not None:
+                layer.bias = nn.Parameter(layer.bias.detach().to(weight.dtype),
+                                          requires_grad=layer.bias.requires_grad)
             owner, _, attribute = name.rpartition(".")
             setattr(plain.get_submodule(owner), attribute, layer)
     return plain

@@ -3,7 +3,7 @@ targets read from a label column, whose kind says what they are (data/targets.py
 real values, multi-hot sets), or a causal LM's next tokens. Each task gives the per-example
 training loss, the held-out score as sums that add over ranks, the test metrics from those
 sums, the baselines to beat and the validation count it releases. A new task is one class
-here and its row in the schema's task table (config/data_model.py). The run's plan carries
+here and its row in the schema's task table (config/model.py). The run's plan carries
 its task (train/plan.py), so torch loads only when a task is used: `validate` plans without
 it."""
 
@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from raydp_train.config.data_model import is_causal_lm
+from raydp_train.config.model import is_causal_lm
 from raydp_train.data.sources import Dataset
 from raydp_train.data.targets import LabelKind, label_kind
 

@@ -15,8 +15,8 @@ from torch import nn
 from raydp_train.data.sources import Dataset, load_data
 from raydp_train.data.targets import label_kind
 from raydp_train.models.builders import build_model
+from raydp_train.models.frozen_precision import keep_frozen_in
 from raydp_train.models.hf_files import tokenizer_source
-from raydp_train.privacy.mechanism import Mechanism
 from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train import evaluation
@@ -39,10 +39,13 @@ def _shared_seed(pipeline, context) -> int:
     return context.gather(int.from_bytes(os.urandom(8), "little") if seed is None else seed)[0]
 
 
-def _mechanism(pipeline, plan: PrivacyPlan, shared_seed: int) -> Mechanism:
-    """The plan's mechanism for this rank; its own randomness (LSG's carriers) is the same on
-    every rank, from rank 0's seed."""
-    return plan.mechanism(pipeline.privacy, torch.Generator().manual_seed(shared_seed))
+def _attach(pipeline, plan: PrivacyPlan, shared_seed: int, model: nn.Module) -> tuple:
+    """(mechanism, engine): this rank's, its randomness (LSG's carriers) as every rank's, on the
+    model, which it may partly freeze; the frozen weights then in model.frozen_dtype."""
+    mechanism = plan.mechanism(pipeline.privacy, torch.Generator().manual_seed(shared_seed))
+    engine = mechanism.attach(model, plan.clip_norm)
+    keep_frozen_in(model, getattr(pipeline.model, "frozen_dtype", "fp32"))
+    return mechanism, engine
 
 
 def epoch_ends(epochs: int, expected_batch_size: int, num_examples: int) -> list[int]:
@@ -86,9 +89,7 @@ class WorkerRun:
         self.pipeline, self.plan, self.context, self.local, self.model = (
             pipeline, plan, context, local, model)
         shared_seed = _shared_seed(pipeline, context)
-        self.mechanism = _mechanism(pipeline, plan, shared_seed)
-        # May freeze what the mechanism does not train.
-        self.clipper = self.mechanism.attach(model, plan.clip_norm)
+        self.mechanism, self.clipper = _attach(pipeline, plan, shared_seed, model)
         self.optimizer = make_optimizer(model, training)
         self.schedule = make_schedule(self.optimizer, training, plan.steps)  # logical steps
         self.noise_generator, self.noise_mode = make_noise_generator(pipeline.run.noise, seed,
@@ -113,8 +114,8 @@ class WorkerRun:
         data_mb = resident_mb() - before  # what holding this rank's rows costs
         if pipeline.run.seed is not None:
             torch.manual_seed(pipeline.run.seed)  # initialization, reproducible on request
-        model = build_model(pipeline.model, local.feature_shape, local.num_classes)
-        model = model.to(context.device)
+        model = build_model(pipeline.model, local.feature_shape, local.num_classes).to(
+            context.device)
         context.broadcast_parameters(model)
         run = cls(pipeline, plan, context, local, model)
         run.result = TrainResult(
@@ -145,8 +146,7 @@ class WorkerRun:
     def train_epoch(self, epoch: int, end: int, after_step=None) -> bool:
         """Charge the epoch, run its steps up to `end`, score, report a checkpoint; False
         when the budget refused the epoch (the run stops at the last checkpoint)."""
-        # Write-ahead: the epoch's steps are granted and on record before any noisy gradient
-        # exists.
+        # Write-ahead: the steps are granted and on record before any noisy gradient exists.
         epoch_charge = Charged(end - self.step, self.plan.releases_per_epoch)
         try:
             charged = self.context.charge(epoch_charge, epoch, self.step)
