@@ -5,6 +5,7 @@ and a column that cannot be used is a DataError naming the column and file."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -66,13 +67,36 @@ def _numeric(column: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:
     return numbers_as_numpy(column).astype(np.float64)
 
 
+# Rows per batch of a column read from a file: a few MB of text at a time.
+BATCH_ROWS = 65_536
+
+
+def open_parquet(path: Path) -> pq.ParquetFile:
+    """A Parquet file's footer, for reading one column at a time by row groups. Without
+    pre-buffering: pyarrow's would hold the pages of every row group it reads ahead (a
+    600 MB file's text column read to count its nulls peaked at 590 MB)."""
+    return pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
+
+
+def column_batches(parquet: pq.ParquetFile, name: str) -> Iterator[pa.Array]:
+    """The column `name` of `parquet` (from `open_parquet`), batch by batch in file order,
+    row group by row group: memory bounded by a row group, never the whole table."""
+    for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=[name]):
+        yield batch.column(0)
+
+
 def text_labels(source: pa.Table | pq.ParquetFile, rows: int, path: Path, config) -> np.ndarray:
-    """The label column of a text table or file; without one (model.task causal_lm, whose
-    targets are the texts' own next tokens) the placeholder class 0 for each of its rows."""
-    if config.label_column is None:
+    """The label column of a text table or file (read alone, by row groups); without one
+    (model.task causal_lm, whose targets are the texts' own next tokens) the placeholder
+    class 0 for each of its rows."""
+    name = config.label_column
+    if name is None:
         return np.zeros(rows, np.int64)
-    table = source if isinstance(source, pa.Table) else source.read(columns=[config.label_column])
-    return labels_of(table.column(config.label_column), path, config)
+    if isinstance(source, pa.Table):
+        return labels_of(source.column(name), path, config)
+    column = pa.chunked_array(list(column_batches(source, name)),
+                              type=source.schema_arrow.field(name).type)
+    return labels_of(column, path, config)
 
 
 def labels_of(column: pa.ChunkedArray, path: Path, config) -> np.ndarray:
