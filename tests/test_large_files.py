@@ -93,3 +93,17 @@ def test_a_max_rows_subset_is_copied_by_row_groups(big_text, reads, monkeypatch,
             for text in batch.column(0).to_pylist()]
     drawn = np.random.default_rng(data.random_state).choice(ROWS, 1_000, replace=False)
     assert kept == sorted(drawn.tolist())
+
+
+def test_a_damaged_page_after_a_sound_footer_is_one_line(big_text):
+    """The column read by batches fails in one line naming the field, not a traceback."""
+    from raydp_train.errors import DataError
+
+    damaged = bytearray(big_text.read_bytes())
+    first_page = pq.ParquetFile(big_text).metadata.row_group(0).column(0).data_page_offset
+    for offset in range(first_page + 64, first_page + 2_048):
+        damaged[offset] ^= 0x5A
+    big_text.write_bytes(bytes(damaged))
+    with pytest.raises(DataError, match=f"data.text_column: cannot read column 'sentence' of "
+                                        f"{big_text} as parquet: "):
+        load_data(_data(big_text), 2, MINILM, "model.num_labels", tokenize=False)

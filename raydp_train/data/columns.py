@@ -78,11 +78,17 @@ def open_parquet(path: Path) -> pq.ParquetFile:
     return pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
 
 
-def column_batches(parquet: pq.ParquetFile, name: str) -> Iterator[pa.Array]:
+def column_batches(parquet: pq.ParquetFile, name: str, path: Path,
+                   field: str) -> Iterator[pa.Array]:
     """The column `name` of `parquet` (from `open_parquet`), batch by batch in file order,
-    row group by row group: memory bounded by a row group, never the whole table."""
-    for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=[name]):
-        yield batch.column(0)
+    row group by row group: memory bounded by a row group, never the whole table. A page
+    that cannot be read (damaged after a sound footer) is a DataError naming `field`."""
+    try:
+        for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=[name]):
+            yield batch.column(0)
+    except (pa.ArrowException, OSError) as error:
+        raise DataError(f"{field}: cannot read column '{name}' of {path} as parquet: "
+                        f"{one_line(error)}") from error
 
 
 def text_labels(source: pa.Table | pq.ParquetFile, rows: int, path: Path, config) -> np.ndarray:
@@ -94,7 +100,7 @@ def text_labels(source: pa.Table | pq.ParquetFile, rows: int, path: Path, config
         return np.zeros(rows, np.int64)
     if isinstance(source, pa.Table):
         return labels_of(source.column(name), path, config)
-    column = pa.chunked_array(list(column_batches(source, name)),
+    column = pa.chunked_array(list(column_batches(source, name, path, "data.label_column")),
                               type=source.schema_arrow.field(name).type)
     return labels_of(column, path, config)
 

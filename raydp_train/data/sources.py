@@ -137,7 +137,8 @@ def check_text_file(path: Path, text_column: str, label_column: str | None, fiel
     if rows == 0:
         raise DataError(f"{field}: {path} has no rows")
     # Batch by batch: the driver never holds a whole text column.
-    nulls = sum(batch.null_count for batch in column_batches(parquet, text_column))
+    nulls = sum(batch.null_count for batch in
+                column_batches(parquet, text_column, path, "data.text_column"))
     if nulls:
         raise DataError(f"data.text_column: '{text_column}' in {path} has {nulls} null rows")
     return rows
