@@ -107,3 +107,32 @@ def test_a_damaged_page_after_a_sound_footer_is_one_line(big_text):
     with pytest.raises(DataError, match=f"data.text_column: cannot read column 'sentence' of "
                                         f"{big_text} as parquet: "):
         load_data(_data(big_text), 2, MINILM, "model.num_labels", tokenize=False)
+
+
+def test_numeric_checks_read_by_row_groups_and_name_the_file_s_row(tmp_path, reads):
+    """validate checks every feature as training reads it, a batch at a time, and names a
+    bad row by its place in the file, not in its batch."""
+    from raydp_train.errors import DataError
+
+    rows = 3 * GROUP_ROWS
+    x = np.linspace(-1, 1, rows)
+    x[2 * GROUP_ROWS + 7] = np.nan
+    path = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"x": x, "y": -x, "label": np.arange(rows) % 2,
+                             "notes": ["unused"] * rows}), path, row_group_size=GROUP_ROWS)
+    data = rt.Pipeline.from_dict({
+        "name": "n", "data": {"source": "parquet", "path": str(path),
+                              "feature_columns": ["x", "y"]},
+        "model": {"kind": "logistic"}, "privacy": {"noise_multiplier": 1.0, "delta": 1e-5},
+        "training": {"epochs": 1, "batch_size": 8}}).data
+    with pytest.raises(DataError, match=rf"has NaN or inf features in rows \[{2 * GROUP_ROWS + 7}"
+                                        r"\]"):
+        load_data(data, 2, tokenize=False)
+    x[2 * GROUP_ROWS + 7] = 0.5
+    pq.write_table(pa.table({"x": x, "y": -x, "label": np.arange(rows) % 2,
+                             "notes": ["unused"] * rows}), path, row_group_size=GROUP_ROWS)
+    reads.clear()
+    dataset = load_data(data, 2, tokenize=False)
+    assert dataset.feature_shape == (2,) and dataset.num_train + len(dataset.test_labels) == rows
+    assert dataset.train_features.strides[0] == 0 and not dataset.features_read
+    assert sorted(map(tuple, reads)) == [("label",), ("x", "y")]  # never "notes"

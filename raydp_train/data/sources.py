@@ -15,16 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from raydp_train.data.columns import (
     DataError,
     column_batches,
-    numeric_rows,
     one_line,
     open_parquet,
     text_labels,
 )
+from raydp_train.data.numeric_files import read_numeric_file
 from raydp_train.data.table_files import as_parquet, check_data_file, with_max_rows
 from raydp_train.data.targets import label_kind
 
@@ -100,7 +99,7 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
     classes = kind.width(splits, num_classes, classes_field, config)
     dataset = Dataset(_features(features), labels.astype(kind.dtype),
                       _features(test_features), test_labels.astype(kind.dtype), classes,
-                      features_read=tokenize or reader.numeric)
+                      features_read=tokenize or (reader.numeric and config.source != "parquet"))
     if validation is not None:
         dataset.validation_features = _features(validation[0])
         dataset.validation_labels = validation[1].astype(kind.dtype)
@@ -154,7 +153,7 @@ class _Reader:
     def read(self, path: Path, field: str) -> tuple[np.ndarray, np.ndarray]:
         config = self.config
         if self.numeric:
-            return _read_parquet(path, config, field)
+            return read_numeric_file(path, config, field, keep_features=self.tokenize)
         from raydp_train.data.text import tokenize_parquet
 
         rows = check_text_file(path, config.text_column, config.label_column, field)
@@ -255,32 +254,3 @@ def _parquet(config, reader: _Reader):
             f"do not match {features.shape[1:]} in {config.path}"
         )
     return features, labels, test_features, test_labels
-
-
-def _read_parquet(path: Path, config, field: str) -> tuple[np.ndarray, np.ndarray]:
-    check_data_file(path, "parquet", field)
-    columns = config.feature_columns or [config.tensor_column]
-    try:
-        schema = pq.read_schema(path)
-    except (pa.ArrowInvalid, OSError) as error:
-        raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
-    missing = [c for c in [*columns, config.label_column] if c not in schema.names]
-    if missing:
-        raise DataError(
-            f"{field}: column(s) {missing} not in {path}; available: {', '.join(schema.names)}"
-        )
-    try:
-        table = pq.ParquetFile(path).read(columns=[*columns, config.label_column])
-    except (pa.ArrowInvalid, OSError) as error:  # a damaged page after a sound footer
-        raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
-    if table.num_rows == 0:
-        raise DataError(f"{field}: {path} has no rows")
-    features, labels = numeric_rows(table, config, path)
-    flat = features.reshape(len(features), -1)
-    for bad, what in ((~np.isfinite(flat), "NaN or inf features"),
-                      (np.abs(flat) > np.finfo(np.float32).max,
-                       "features beyond float32's range (they would train as inf)")):
-        if bad.any():
-            rows = np.unique(np.nonzero(bad)[0])
-            raise DataError(f"{field}: {path} has {what} in rows {rows[:10].tolist()}")
-    return features, labels
