@@ -82,6 +82,9 @@ def test_workers_are_placed_node_by_node_not_from_the_cluster_s_sums(monkeypatch
     with pytest.raises(ResourceError, match=r"each worker asks for \{GPU: 1, fast_disk: 1\}, "
                                             "but no live node of the Ray cluster has all of it"):
         resources.check_cluster(TrainingConfig(use_gpu=True, worker_resources={"fast_disk": 1}))
+    _nodes(monkeypatch)  # only a dead node
+    with pytest.raises(ResourceError, match=r"each worker asks for \{CPU: 1\}, but no live node"):
+        resources.check_cluster(TrainingConfig())
 
 
 def test_resources_named_twice_are_refused_by_field():

@@ -121,7 +121,7 @@ def _workers_fitting(node: dict, bundle: dict) -> int:
 def _no_node_holds(training, bundle: dict, nodes: list[dict]) -> str:
     """One line: the resource of a worker that no live node has, its field and the fix."""
     lacking = [key for key, amount in bundle.items()
-               if max(node.get(key, 0.0) for node in nodes) < amount]
+               if max((node.get(key, 0.0) for node in nodes), default=0.0) < amount]
     key = lacking[0] if lacking else None
     models = sorted({name.split(":", 1)[1] for node in nodes for name in node
                      if name.startswith("accelerator_type:")})
