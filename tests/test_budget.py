@@ -206,6 +206,35 @@ def test_reset_is_a_ledger_row_and_keeps_the_history(tmp_path):
     assert _accountant(tmp_path).status() == budget.status()  # a restart replays the reset
 
 
+def test_status_shows_the_epsilon_spent_across_resets(tmp_path):
+    """Each reset period's own epsilon (what it settled) and their sum, stated as basic
+    composition; a reservation open across a reset counts in the period it settles in."""
+    from raydp_train.reports.budget import status_text
+
+    budget = _accountant(tmp_path)
+    first = budget.reserve("r1", "first", Spend(0.02, 1.0, 100))
+    budget.settle("s1", first.reservation, steps_done=100)
+    carried = budget.reserve("r2", "carried", Spend(0.05, 1.5, 40))
+    budget.reset("x1", "new quarter")
+    budget.settle("s2", carried.reservation, steps_done=40)
+    budget.reset("x2", "new year")
+    last = budget.reserve("r3", "last", Spend(0.01, 1.1, 300))
+    budget.settle("s3", last.reservation, steps_done=300)
+
+    periods = [_direct_epsilon([_dpsgd(*spend)], 1e-5, "rdp")
+               for spend in ((0.02, 1.0, 100), (0.05, 1.5, 40), (0.01, 1.1, 300))]
+    status = budget.status()
+    assert status["epsilon_before_resets"] == pytest.approx(periods[:2], rel=1e-9)
+    assert status["epsilon_counted"] == pytest.approx(periods[2], rel=1e-9)
+    assert status["epsilon_across_resets"] == pytest.approx(sum(periods), rel=1e-9)
+    assert _accountant(tmp_path).status() == status  # replayed from the ledger alike
+    line = status_text(status).splitlines()[2]
+    assert f"{periods[0]:.4f}, {periods[1]:.4f} before each reset" in line
+    assert f"{periods[2]:.4f} since the last" in line
+    assert f"across resets: epsilon {sum(periods):.4f} with delta 3e-05 by basic composition" \
+        in line
+
+
 def test_bad_reservations_are_refused_with_reasons(tmp_path):
     budget = _accountant(tmp_path)
     with pytest.raises(BudgetError, match="sampling_rate must be in"):

@@ -26,6 +26,10 @@ from raydp_train.models.predictions import load_model, predict
 # Fields a `run` cannot exercise on this machine, each with where it is run instead.
 RUN_ELSEWHERE = {
     "training.use_gpu": "needs a CUDA GPU (tests/test_precision.py, benchmarks/gpu_check.sh)",
+    "training.accelerator_type": "needs a GPU; refused where no node has the model: "
+                                 "tests/test_no_silent_wait.py",
+    "training.worker_resources": "a custom resource the test Ray's node lacks, refused: "
+                                 "tests/test_no_silent_wait.py",
     "tune": "`raydp-train tune`: tests/test_budget_ray.py, tests/test_faults.py",
     "model.task": "causal_lm: tests/test_causal_lm_run.py (a run on 2 workers, generate)",
     "model.lm_loss": "causal_lm only: tests/test_causal_lm_run.py",

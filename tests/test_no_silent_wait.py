@@ -27,6 +27,82 @@ def test_strict_spread_with_fewer_nodes_than_workers_is_one_line(ray_session, tm
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_resource_no_node_has_is_one_line_before_any_budget(ray_session, tmp_path, capsys):
+    """The session's embedded Ray has CPUs only: a custom resource per worker, a GPU or a GPU
+    model would be waited for ever by Ray Train; each is refused before the budget opens."""
+    from raydp_train.config.training import TrainingConfig
+
+    code = main(["run", "pipelines/quickstart.yaml", "--set",
+                 "training.worker_resources={big_memory: 1}",
+                 "--set", f"run.output_dir={tmp_path}/runs", "--set", "budget.name=b",
+                 "--set", f"budget.ledger={tmp_path}/ledger", "--set", "budget.epsilon=10",
+                 "--set", "budget.delta=1e-5"])
+    output = capsys.readouterr()
+    lines = [line for line in (output.out + output.err).splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == (
+        "error: training.worker_resources: each worker asks for 1 big_memory, but no live node "
+        "of the Ray cluster has that much big_memory; start nodes with it (`ray start "
+        "--resources='{\"big_memory\": 1}'`) or remove it")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "ledger").exists()
+    with pytest.raises(ResourceError, match="training.use_gpu: true, but no live node of the "
+                                            "Ray cluster has a GPU; set use_gpu: false"):
+        resources.check_cluster(TrainingConfig(use_gpu=True))
+    no_model = TrainingConfig(use_gpu=True, accelerator_type="A100").worker_bundle()
+    assert no_model == {"GPU": 1.0, "accelerator_type:A100": 0.001}
+
+
+def _nodes(monkeypatch, *nodes: dict) -> None:
+    import ray
+
+    listed = [{"Alive": True, "Resources": node} for node in nodes]
+    monkeypatch.setattr(ray, "nodes", lambda: [*listed, {"Alive": False, "Resources": {
+        "CPU": 64.0, "GPU": 8.0, "accelerator_type:H100": 1.0}}])  # a dead node counts nothing
+
+
+def test_workers_are_placed_node_by_node_not_from_the_cluster_s_sums(monkeypatch):
+    from raydp_train.config.training import TrainingConfig
+
+    _nodes(monkeypatch, {"CPU": 8.0, "GPU": 1.0, "accelerator_type:A10G": 1.0},
+           {"CPU": 8.0, "GPU": 1.0, "accelerator_type:A10G": 1.0, "fast_disk": 1.0})
+    resources.check_cluster(TrainingConfig(workers=2, use_gpu=True, accelerator_type="A10G"))
+    with pytest.raises(ResourceError, match="training.accelerator_type: H100, but no live node "
+                                            r"of the Ray cluster has that GPU model \(its nodes "
+                                            r"have: A10G\); name one of those, or null"):
+        resources.check_cluster(TrainingConfig(use_gpu=True, accelerator_type="H100"))
+    with pytest.raises(ResourceError, match=r"has 2 GPU\(s\)"):
+        resources.check_cluster(TrainingConfig(workers=3, use_gpu=True))
+    with pytest.raises(ResourceError, match=r"2 workers each asking for \{CPU: 1, fast_disk: "
+                                            r"1\}, but the live nodes of the Ray cluster hold 1"):
+        resources.check_cluster(TrainingConfig(workers=2, worker_resources={"fast_disk": 1}))
+    with pytest.raises(ResourceError, match="2 live node.s., 1 of them able to hold a worker"):
+        resources.check_cluster(TrainingConfig(workers=2, placement="strict_spread",
+                                               worker_resources={"fast_disk": 0.5}))
+    _nodes(monkeypatch, {"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "fast_disk": 1.0})
+    with pytest.raises(ResourceError, match=r"each worker asks for \{GPU: 1, fast_disk: 1\}, "
+                                            "but no live node of the Ray cluster has all of it"):
+        resources.check_cluster(TrainingConfig(use_gpu=True, worker_resources={"fast_disk": 1}))
+    _nodes(monkeypatch)  # only a dead node
+    with pytest.raises(ResourceError, match=r"each worker asks for \{CPU: 1\}, but no live node"):
+        resources.check_cluster(TrainingConfig())
+
+
+def test_resources_named_twice_are_refused_by_field():
+    from raydp_train.config.pipeline import PipelineError, pipeline_from_dict
+
+    base = {"name": "p", "data": {"source": "synthetic"}, "model": {"kind": "logistic"},
+            "privacy": {"noise_multiplier": 1.0}}
+    refusals = (
+        ({"accelerator_type": "A100"},
+         "training.accelerator_type: a GPU model is asked for GPUs: set use_gpu: true too"),
+        ({"worker_resources": {"GPU": 1}},
+         "training.worker_resources: GPU: not a custom resource"),
+        ({"worker_resources": {"x": 0}}, "training.worker_resources.x: must be > 0"))
+    for training, said in refusals:
+        with pytest.raises(PipelineError, match=said.replace(".", r"\.")):
+            pipeline_from_dict({**base, "training": training})
+
+
 @pytest.mark.parametrize("address", ["10.0.0.5:6379", "10.0.0.5"])
 def test_a_driver_outside_the_cluster_on_its_gcs_address_is_refused(monkeypatch, address):
     import ray

@@ -64,6 +64,8 @@ class BudgetBook:
         self.next_seq = 0
         self.epsilon = 0.0  # of everything counted, as recorded by the last row
         self.resets = 0
+        # Per reset: the epsilon of the spending it stopped counting (settled before it).
+        self.epsilon_before_resets: list[float] = []
         self._accountant = make_accountant(terms.accountant)
         self._stale = False  # the accountant must be recomposed from the reservations
 
@@ -126,6 +128,7 @@ class BudgetBook:
         elif row["kind"] == "settle":
             self.reservations[row["reservation"]].settled = _spend_of(row)
         elif row["kind"] == "reset":
+            self.epsilon_before_resets.append(self._epsilon_dropped_by_reset())
             self.reservations = self._open_reservations()
             self.resets += 1
         if row["request_id"]:
@@ -157,6 +160,8 @@ class BudgetBook:
             "steps_reserved": sum(o["steps_reserved"] for o in owners.values()),
             "owners": owners,
             "resets": self.resets,
+            "epsilon_before_resets": list(self.epsilon_before_resets),
+            "epsilon_across_resets": sum(self.epsilon_before_resets) + self.epsilon,
         }
 
     def epsilon_of(self, owner: str) -> float:
@@ -165,6 +170,13 @@ class BudgetBook:
         events = [h.counted.dp_event() for h in self.reservations.values()
                   if h.owner == owner or h.owner.startswith(f"{owner}/")]
         return composed_epsilon(events, self.terms.delta, self.terms.accountant) if events else 0.0
+
+    def _epsilon_dropped_by_reset(self) -> float:
+        """Epsilon of the settled reservations a reset stops counting (open ones stay counted
+        after it, in the next period), so each reservation falls in exactly one period."""
+        settled = {key: held for key, held in self.reservations.items()
+                   if held.settled is not None}
+        return float(self._compose_counted(settled).get_epsilon(self.terms.delta))
 
     def _open_reservations(self) -> dict[str, _Reservation]:
         return {key: held for key, held in self.reservations.items() if held.settled is None}

@@ -50,6 +50,12 @@ class TrainingConfig(Section):
     # the nodes when it can), strict_spread (each on a different node, or the run waits)
     placement: Literal["pack", "spread", "strict_spread"] = "pack"
     use_gpu: bool = False  # one GPU per worker; model, step and noise on it
+    # with use_gpu: the GPU model each worker needs, as Ray names it ("A100", "H100", ...)
+    accelerator_type: str | None = Field(None, min_length=1)
+    # more Ray resources each worker asks for: the nodes' custom resources (`ray start
+    # --resources`), e.g. {big_memory: 1}; CPUs and GPUs are workers' and use_gpu's
+    worker_resources: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict)
     # torch threads in each worker; auto: the cores of the worker's machine divided among the
     # training processes on it (its workers, a sweep's concurrent trials)
     threads_per_worker: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
@@ -72,3 +78,25 @@ class TrainingConfig(Section):
         if self.warmup_steps is not None and self.warmup_fraction is not None:
             raise FieldProblem("set warmup_steps or warmup_fraction, not both", "warmup_steps")
         return self
+
+    @model_validator(mode="after")
+    def _resources_named_once(self) -> TrainingConfig:
+        if self.accelerator_type is not None and not self.use_gpu:
+            raise FieldProblem("a GPU model is asked for GPUs: set use_gpu: true too",
+                               "accelerator_type")
+        named = sorted({"CPU", "GPU", "TPU", "memory", "object_store_memory"}
+                       & set(self.worker_resources))
+        if named or any(key.startswith("accelerator_type:") for key in self.worker_resources):
+            raise FieldProblem(
+                f"{', '.join(named) or 'accelerator_type:...'}: not a custom resource: a "
+                "worker's CPU comes with workers, its GPU with use_gpu, a GPU model with "
+                "accelerator_type", "worker_resources")
+        return self
+
+    def worker_bundle(self) -> dict[str, float]:
+        """The Ray resources one worker asks for, as Ray Train asks them: a CPU, or a GPU with
+        use_gpu (no CPU: Ray Train's default), the GPU model's marker, custom resources."""
+        bundle = {"GPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+        if self.accelerator_type is not None:  # Ray's own marker of a node's GPU model
+            bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        return {**bundle, **self.worker_resources}

@@ -5,6 +5,7 @@ and a column that cannot be used is a DataError naming the column and file."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +24,18 @@ def one_line(error: Exception) -> str:
 
 def numeric_rows(table: pa.Table, config, path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(features, labels) of a table of `config`'s numeric or tensor columns: what a data
-    worker makes of each batch of a file that `_read_parquet` checked whole."""
+    worker makes of each batch of a file that `read_numeric_file` checked."""
     labels = labels_of(table.column(config.label_column), path, config)
+    return numeric_features(table, config, path), labels
+
+
+def numeric_features(table: pa.Table | pa.RecordBatch, config, path: Path) -> np.ndarray:
+    """The features of a table (or a batch) of `config`'s numeric or tensor columns."""
     if config.feature_columns:
         columns = config.feature_columns
         features = np.stack([_numeric(table.column(c), path, c) for c in columns], axis=1)
-        return _standardized(features, config), labels
-    return _tensor_column(table.column(config.tensor_column), path, config.tensor_column), labels
+        return _standardized(features, config)
+    return _tensor_column(table.column(config.tensor_column), path, config.tensor_column)
 
 
 class FeatureScaleWarning(UserWarning):
@@ -66,13 +72,56 @@ def _numeric(column: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:
     return numbers_as_numpy(column).astype(np.float64)
 
 
+# Rows per batch of a column read from a file: a few MB of text at a time.
+BATCH_ROWS = 65_536
+
+
+def open_parquet(path: Path) -> pq.ParquetFile:
+    """A Parquet file's footer, for reading one column at a time by row groups. Without
+    pre-buffering: pyarrow's would hold the pages of every row group it reads ahead (a
+    600 MB file's text column read to count its nulls peaked at 590 MB)."""
+    return pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
+
+
+def record_batches(parquet: pq.ParquetFile, columns: list[str], path: Path,
+                   field: str) -> Iterator[pa.RecordBatch]:
+    """The `columns` of `parquet` (from `open_parquet`), batch by batch in file order, row
+    group by row group: memory bounded by a row group, never the whole table. A page that
+    cannot be read (damaged after a sound footer) is a DataError naming `field`."""
+    try:
+        yield from parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+    except (pa.ArrowException, OSError) as error:
+        named = ", ".join(f"'{name}'" for name in columns)
+        raise DataError(f"{field}: cannot read column {named} of {path} as parquet: "
+                        f"{one_line(error)}") from error
+
+
+def column_batches(parquet: pq.ParquetFile, name: str, path: Path,
+                   field: str) -> Iterator[pa.Array]:
+    """The column `name` of `parquet`, batch by batch (see record_batches)."""
+    for batch in record_batches(parquet, [name], path, field):
+        yield batch.column(0)
+
+
+def file_labels(parquet: pq.ParquetFile, path: Path, config) -> np.ndarray:
+    """The label column of a file (from `open_parquet`), read alone by row groups and
+    checked whole, as `data.label_kind` says."""
+    name = config.label_column
+    column = pa.chunked_array(list(column_batches(parquet, name, path, "data.label_column")),
+                              type=parquet.schema_arrow.field(name).type)
+    return labels_of(column, path, config)
+
+
 def text_labels(source: pa.Table | pq.ParquetFile, rows: int, path: Path, config) -> np.ndarray:
-    """The label column of a text table or file; without one (model.task causal_lm, whose
-    targets are the texts' own next tokens) the placeholder class 0 for each of its rows."""
-    if config.label_column is None:
+    """The label column of a text table or file (read alone, by row groups); without one
+    (model.task causal_lm, whose targets are the texts' own next tokens) the placeholder
+    class 0 for each of its rows."""
+    name = config.label_column
+    if name is None:
         return np.zeros(rows, np.int64)
-    table = source if isinstance(source, pa.Table) else source.read(columns=[config.label_column])
-    return labels_of(table.column(config.label_column), path, config)
+    if isinstance(source, pa.Table):
+        return labels_of(source.column(name), path, config)
+    return file_labels(source, path, config)
 
 
 def labels_of(column: pa.ChunkedArray, path: Path, config) -> np.ndarray:

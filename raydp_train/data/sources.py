@@ -15,9 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from raydp_train.data.columns import DataError, numeric_rows, one_line, text_labels
+from raydp_train.data.columns import (
+    DataError,
+    column_batches,
+    one_line,
+    open_parquet,
+    text_labels,
+)
+from raydp_train.data.numeric_files import read_numeric_file
 from raydp_train.data.table_files import as_parquet, check_data_file, with_max_rows
 from raydp_train.data.targets import label_kind
 
@@ -93,7 +99,7 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
     classes = kind.width(splits, num_classes, classes_field, config)
     dataset = Dataset(_features(features), labels.astype(kind.dtype),
                       _features(test_features), test_labels.astype(kind.dtype), classes,
-                      features_read=tokenize or reader.numeric)
+                      features_read=tokenize or (reader.numeric and config.source != "parquet"))
     if validation is not None:
         dataset.validation_features = _features(validation[0])
         dataset.validation_labels = validation[1].astype(kind.dtype)
@@ -114,7 +120,7 @@ def check_text_file(path: Path, text_column: str, label_column: str | None, fiel
     """The number of rows, after checking the file and its columns; raises DataError."""
     check_data_file(path, "parquet", field)
     try:
-        parquet = pq.ParquetFile(path)  # the footer, read once: schema and row count
+        parquet = open_parquet(path)  # the footer, read once: schema and row count
         schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
@@ -130,8 +136,8 @@ def check_text_file(path: Path, text_column: str, label_column: str | None, fiel
     if rows == 0:
         raise DataError(f"{field}: {path} has no rows")
     # Batch by batch: the driver never holds a whole text column.
-    nulls = sum(batch.column(0).null_count for batch in
-                parquet.iter_batches(batch_size=65_536, columns=[text_column]))
+    nulls = sum(batch.null_count for batch in
+                column_batches(parquet, text_column, path, "data.text_column"))
     if nulls:
         raise DataError(f"data.text_column: '{text_column}' in {path} has {nulls} null rows")
     return rows
@@ -147,18 +153,31 @@ class _Reader:
     def read(self, path: Path, field: str) -> tuple[np.ndarray, np.ndarray]:
         config = self.config
         if self.numeric:
-            return _read_parquet(path, config, field)
+            return read_numeric_file(path, config, field, keep_features=self.tokenize)
         from raydp_train.data.text import tokenize_parquet
 
         rows = check_text_file(path, config.text_column, config.label_column, field)
         if self.tokenizer is None:
             raise DataError("data.text_column: text needs a tokenizer: use model.kind hf with "
                             "model.name_or_path")
-        labels = text_labels(pq.ParquetFile(path), rows, path, config)
+        labels = text_labels(open_parquet(path), rows, path, config)
         if not self.tokenize:
-            return np.zeros((len(labels), 2, config.max_length), np.int32), labels
+            return _unread_tokens(len(labels), config.max_length), labels
         tokens = tokenize_parquet(path, config.text_column, self.tokenizer, config.max_length)
         return tokens, labels
+
+
+def _unread_tokens(rows: int, max_length: int) -> np.ndarray:
+    """Zeros in the shape of `rows` rows of token ids and masks, for checks: one row's memory,
+    broadcast (read-only), where a full array would take 8 max_length bytes a row."""
+    return np.broadcast_to(np.zeros((1, 2, max_length), np.int32), (rows, 2, max_length))
+
+
+def _take(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """values[rows]; unread tokens (one row broadcast: stride 0) stay one row broadcast."""
+    if values.strides[0] == 0:
+        return np.broadcast_to(values[:1], (len(rows), *values.shape[1:]))
+    return values[rows]
 
 
 def _validation_file(config, reader: _Reader):
@@ -181,9 +200,9 @@ def _hold_out_validation(dataset: Dataset, fraction: float, seed: int) -> None:
         )
     order = np.random.default_rng(seed).permutation(n)
     held, kept = order[:count], np.sort(order[count:])
-    dataset.validation_features = dataset.train_features[held]
+    dataset.validation_features = _take(dataset.train_features, held)
     dataset.validation_labels = dataset.train_labels[held]
-    dataset.train_features = dataset.train_features[kept]
+    dataset.train_features = _take(dataset.train_features, kept)
     dataset.train_labels = dataset.train_labels[kept]
 
 
@@ -197,7 +216,7 @@ def _split(features: np.ndarray, labels: np.ndarray, train_fraction: float, shuf
             f"data.train_fraction: {train_fraction} of {len(labels)} rows leaves an empty split"
         )
     train, test = order[:cut], order[cut:]
-    return features[train], labels[train], features[test], labels[test]
+    return _take(features, train), labels[train], _take(features, test), labels[test]
 
 
 def _synthetic(config, reader):
@@ -235,32 +254,3 @@ def _parquet(config, reader: _Reader):
             f"do not match {features.shape[1:]} in {config.path}"
         )
     return features, labels, test_features, test_labels
-
-
-def _read_parquet(path: Path, config, field: str) -> tuple[np.ndarray, np.ndarray]:
-    check_data_file(path, "parquet", field)
-    columns = config.feature_columns or [config.tensor_column]
-    try:
-        schema = pq.read_schema(path)
-    except (pa.ArrowInvalid, OSError) as error:
-        raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
-    missing = [c for c in [*columns, config.label_column] if c not in schema.names]
-    if missing:
-        raise DataError(
-            f"{field}: column(s) {missing} not in {path}; available: {', '.join(schema.names)}"
-        )
-    try:
-        table = pq.ParquetFile(path).read(columns=[*columns, config.label_column])
-    except (pa.ArrowInvalid, OSError) as error:  # a damaged page after a sound footer
-        raise DataError(f"{field}: cannot read {path} as parquet: {one_line(error)}") from error
-    if table.num_rows == 0:
-        raise DataError(f"{field}: {path} has no rows")
-    features, labels = numeric_rows(table, config, path)
-    flat = features.reshape(len(features), -1)
-    for bad, what in ((~np.isfinite(flat), "NaN or inf features"),
-                      (np.abs(flat) > np.finfo(np.float32).max,
-                       "features beyond float32's range (they would train as inf)")):
-        if bad.any():
-            rows = np.unique(np.nonzero(bad)[0])
-            raise DataError(f"{field}: {path} has {what} in rows {rows[:10].tolist()}")
-    return features, labels

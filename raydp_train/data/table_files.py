@@ -69,9 +69,22 @@ def with_max_rows(config):
         keep = np.random.default_rng(config.random_state).choice(rows, limit, replace=False)
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.{os.getpid()}")
-        pq.write_table(pq.read_table(path).take(np.sort(keep)), partial)
+        _write_rows(pq.ParquetFile(path, pre_buffer=False), np.sort(keep), partial)
         os.replace(partial, target)  # whole or absent, even with two readers at once
     return config.model_copy(update={"path": str(target)})
+
+
+def _write_rows(source: pq.ParquetFile, rows: np.ndarray, target: Path) -> None:
+    """The rows `rows` (sorted) of `source` written to `target`, read a row group at a time:
+    memory bounded by a row group, not the file."""
+    with pq.ParquetWriter(target, source.schema_arrow) as writer:
+        start = 0
+        for group in range(source.num_row_groups):
+            end = start + source.metadata.row_group(group).num_rows
+            inside = rows[np.searchsorted(rows, start):np.searchsorted(rows, end)] - start
+            if len(inside):
+                writer.write_table(source.read_row_group(group).take(inside))
+            start = end
 
 
 def parquet_copy(path: Path, source: str, field: str) -> Path:

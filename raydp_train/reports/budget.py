@@ -18,14 +18,25 @@ def status_text(status: dict) -> str:
         f"steps spent {status['steps_spent']}, reserved (open) {status['steps_reserved']}",
     ]
     if status["resets"]:
-        lines.append(f"reset {status['resets']} time(s): spending settled before the last "
-                     "reset is not counted (see `budget history`)")
+        lines.append(_across_resets(status))
     width = max([len("owner"), *map(len, status["owners"])])
     lines.append(f"{'owner':<{width}} {'spent':>8} {'reserved':>9} {'releases':>9} {'open':>5}")
     for owner, entry in sorted(status["owners"].items()):
         lines.append(f"{owner:<{width}} {entry['steps_spent']:>8} {entry['steps_reserved']:>9} "
                      f"{entry['releases']:>9} {entry['open_reservations']:>5}")
     return "\n".join(lines)
+
+
+def _across_resets(status: dict) -> str:
+    """Each reset period's own epsilon and their total: what the data's users were exposed to
+    since the budget opened, which no reset takes back."""
+    periods = [*status["epsilon_before_resets"], status["epsilon_counted"]]
+    each = ", ".join(f"{epsilon:.4f}" for epsilon in periods[:-1])
+    return (f"reset {status['resets']} time(s): epsilon {each} before each reset (oldest "
+            f"first) and {periods[-1]:.4f} since the last; spent across resets: epsilon "
+            f"{status['epsilon_across_resets']:.4f} with delta {status['delta'] * len(periods):g}"
+            f" by basic composition (the {len(periods)} periods' epsilons and deltas summed; "
+            "rows: `budget history`)")
 
 
 def history_text(rows: list[dict]) -> str:

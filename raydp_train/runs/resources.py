@@ -5,6 +5,7 @@ waits for GPUs that never come)."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -89,25 +90,74 @@ def warn_if_oversubscribed(training, cpus: int) -> None:
 
 
 def check_cluster(training) -> None:
-    """After joining Ray: the cluster has a GPU per worker if asked, and a CPU per worker."""
+    """After joining Ray: some live node can hold a worker (its CPU, or GPU and GPU model, and
+    custom resources: Ray would wait for such a node for ever), the live nodes can hold them
+    all, and with strict_spread each on a node of its own. Counted from the nodes' totals: a
+    busy node frees its resources later, and runs/waits.py says such a wait."""
     import ray
 
-    available = ray.cluster_resources()
-    workers = training.workers
-    if training.use_gpu and available.get("GPU", 0) < workers:
-        raise ResourceError(
-            f"training.use_gpu: true with training.workers {workers}, but the Ray cluster has "
-            f"{available.get('GPU', 0):g} GPU(s); set use_gpu: false or add GPU nodes")
-    if available.get("CPU", 0) < workers:
-        raise ResourceError(
-            f"training.workers: {workers} workers need {workers} CPUs, but the Ray cluster has "
-            f"{available.get('CPU', 0):g}; lower training.workers or add nodes")
-    alive = sum(1 for node in ray.nodes() if node.get("Alive"))
-    if training.placement == "strict_spread" and alive < workers:
+    bundle, workers = training.worker_bundle(), training.workers
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+    places = [_workers_fitting(node, bundle) for node in nodes]
+    if not any(places):
+        raise ResourceError(_no_node_holds(training, bundle, nodes))
+    holding = sum(1 for place in places if place)
+    if training.placement == "strict_spread" and holding < workers:
+        which = "" if holding == len(nodes) else f", {holding} of them able to hold a worker"
         raise ResourceError(
             f"training.placement: strict_spread puts each of the {workers} workers on a node of "
-            f"its own, but the Ray cluster has {alive} live node(s): it would wait for nodes "
-            "forever; use placement: spread or pack, lower training.workers, or add nodes")
+            f"its own, but the Ray cluster has {len(nodes)} live node(s){which}: it would wait "
+            "for nodes forever; use placement: spread or pack, lower training.workers, or add "
+            "nodes")
+    if sum(places) < workers:
+        raise ResourceError(_too_few(training, bundle, nodes, sum(places)))
+
+
+def _workers_fitting(node: dict, bundle: dict) -> int:
+    """How many workers asking for `bundle` a node with these resources holds at once."""
+    return min(math.floor(node.get(key, 0.0) / amount + 1e-9) for key, amount in bundle.items())
+
+
+def _no_node_holds(training, bundle: dict, nodes: list[dict]) -> str:
+    """One line: the resource of a worker that no live node has, its field and the fix."""
+    lacking = [key for key, amount in bundle.items()
+               if max((node.get(key, 0.0) for node in nodes), default=0.0) < amount]
+    key = lacking[0] if lacking else None
+    models = sorted({name.split(":", 1)[1] for node in nodes for name in node
+                     if name.startswith("accelerator_type:")})
+    if key == "GPU":
+        return ("training.use_gpu: true, but no live node of the Ray cluster has a GPU; set "
+                "use_gpu: false or add GPU nodes")
+    if key is not None and key.startswith("accelerator_type:"):
+        return (f"training.accelerator_type: {training.accelerator_type}, but no live node of "
+                f"the Ray cluster has that GPU model (its nodes have: "
+                f"{', '.join(models) or 'none Ray names'}); name one of those, or null")
+    if key is not None and key in training.worker_resources:
+        return (f"training.worker_resources: each worker asks for {bundle[key]:g} {key}, but no "
+                f"live node of the Ray cluster has that much {key}; start nodes with it (`ray "
+                f"start --resources='{{\"{key}\": {bundle[key]:g}}}'`) or remove it")
+    return (f"training: each worker asks for {_text(bundle)}, but no live node of the Ray "
+            "cluster has all of it at once; ask for less per worker (training.use_gpu, "
+            "accelerator_type, worker_resources) or add a node that has it")
+
+
+def _too_few(training, bundle: dict, nodes: list[dict], fitting: int) -> str:
+    """One line: the live nodes hold fewer workers than training.workers."""
+    workers = training.workers
+    total = {key: sum(node.get(key, 0.0) for node in nodes) for key in bundle}
+    if bundle == {"CPU": 1.0}:
+        return (f"training.workers: {workers} workers need {workers} CPUs, but the Ray cluster "
+                f"has {total['CPU']:g}; lower training.workers or add nodes")
+    if bundle == {"GPU": 1.0}:
+        return (f"training.use_gpu: true with training.workers {workers}, but the Ray cluster has "
+                f"{total['GPU']:g} GPU(s); set use_gpu: false or add GPU nodes")
+    return (f"training.workers: {workers} workers each asking for {_text(bundle)}, but the "
+            f"live nodes of the Ray cluster hold {fitting} at once; lower training.workers or "
+            "add nodes")
+
+
+def _text(bundle: dict) -> str:
+    return "{" + ", ".join(f"{key}: {amount:g}" for key, amount in bundle.items()) + "}"
 
 
 def check_driver_on_a_node(address: str | None) -> None:

@@ -155,6 +155,7 @@ def _torch_trainer(pipeline: Pipeline, run_dir: Path, config: dict, splits: dict
         dataset_config=ShardEveryRow() if shards else None,
         scaling_config=ScalingConfig(
             num_workers=pipeline.training.workers, use_gpu=pipeline.training.use_gpu,
+            resources_per_worker=pipeline.training.worker_bundle(),  # runs/resources.py checks it
             placement_strategy=pipeline.training.placement.upper(),
         ),
         run_config=RunConfig(
