@@ -26,10 +26,13 @@ from torch import Tensor, nn
 
 # Importing these registers the built-in rules (lora: DP-LoRA's adapter layers).
 from raydp_train.privacy import (  # noqa: F401
+    attention_rule,
+    conv_rules,
     embedding_rule,
     layer_rules,
     lora,
     norm_rules,
+    prelu_rule,
     rms_norm_families,
 )
 from raydp_train.privacy.covered_layers import (
@@ -49,6 +52,7 @@ from raydp_train.privacy.example_axis import check_example_axis
 from raydp_train.privacy.layer_recording import LayerRecorder
 from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
+from raydp_train.privacy.per_example_path import PER_EXAMPLE_PATH
 from raydp_train.privacy.random_state import random_state, restore_random_state
 from raydp_train.privacy.rounding import full_precision_matmuls, gamma
 from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError, cast_recorded
@@ -90,9 +94,11 @@ class PerExampleClipper(LayerRecorder):
         refuse_compiled(model)
         refuse_state_from_the_batch(model)
         self.layers = covered_layers(model, rules or {}, other_layers)
-        self._records_call = {module for _, module, rule in self.layers if rule.records_call}
+        self._records_call = {module: rule for _, module, rule in self.layers
+                              if rule.records_call}
         # The modules without a rule of their own, by name (the run record lists them).
-        self.per_example_path = [name for name, module, rule in self.layers if rule.records_call]
+        self.per_example_path = [name for name, _, rule in self.layers
+                                 if rule is PER_EXAMPLE_PATH]
         self.ties = find_ties(self.layers)
         # A tied parameter is owned by several layers but trained (and slotted) once.
         owned = {id(p): p for _, module, _ in self.layers for p in own_trainable(module)}

@@ -28,8 +28,8 @@ def check_example_axis(layers: list, compute_losses: Callable[..., Tensor], args
     if sizes is None:
         return
     seen: dict[nn.Module, set[int]] = {}
-    handles = [module.register_forward_pre_hook(_recorder(seen, module), with_kwargs=True)
-               for _, module, _ in layers]
+    handles = [module.register_forward_pre_hook(_recorder(seen, module, rule), with_kwargs=True)
+               for _, module, rule in layers]
     state = random_state()
     try:
         with torch.no_grad():
@@ -52,10 +52,9 @@ def check_example_axis(layers: list, compute_losses: Callable[..., Tensor], args
                 "inputs, or freeze it")
 
 
-def _recorder(seen: dict, module: nn.Module):
+def _recorder(seen: dict, module: nn.Module, rule):
     def record(layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        first = next((x for x in tree_flatten((args, kwargs))[0]
-                      if isinstance(x, Tensor) and x.dim() > 0), None)
+        first = rule.examples_in(layer, args, kwargs)
         if first is not None:
             seen.setdefault(module, set()).add(first.shape[0])
     return record

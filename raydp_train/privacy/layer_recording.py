@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raydp_train.privacy.covered_layers import BatchDimensionError
 from raydp_train.privacy.owned_parameters import owned_parameters
-from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError
+from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError
 
 
 class LayerRecorder:
@@ -31,7 +31,7 @@ class LayerRecorder:
     _calls: dict[nn.Module, LayerCalls]
     _handles: dict[nn.Module, tuple]
     _ghost_leaf: Tensor
-    _records_call: set[nn.Module]  # modules whose rule keeps every argument and output
+    _records_call: dict[nn.Module, Rule]  # modules whose rule keeps every argument and output
     parameters: list[Tensor]
     layers: list  # (name, module, rule) of every covered layer
 
@@ -98,8 +98,7 @@ class LayerRecorder:
 
     def _record_whole_call(self, module: nn.Module, args: tuple, kwargs: dict, output):
         """Every argument, and the gradient of every floating-point tensor of the output."""
-        layer_input = next((x for x in tree_flatten((args, kwargs))[0]
-                            if isinstance(x, Tensor) and x.dim() > 0), None)
+        layer_input = self._records_call[module].examples_in(module, args, kwargs)
         if layer_input is None:
             label = next(name for name, layer, _ in self.layers if layer is module)
             raise UnsupportedLayerError(

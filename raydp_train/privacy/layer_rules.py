@@ -123,6 +123,10 @@ def cat_tokens(tensors: list[Tensor]) -> Tensor:
 class LinearRule(Rule):
     """nn.Linear: input [B, ..., m], output gradient [B, ..., n]."""
 
+    # Its tokens' features are its input's, so layers reading one input may share a Gram
+    # (a transposed convolution's are its output gradient's patches: never).
+    shares_input_gram = True
+
     def tokens(self, module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """Both as [B, T, features] (T = 1 for plain vectors)."""
         return x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
@@ -146,7 +150,8 @@ class LinearRule(Rule):
         calls.state.update(a=a, g=g, rows=rows)
         norms = a.new_zeros(a.shape[0])
         if "weight" in slots:
-            shareable = len(calls.inputs) == 1 and self.groups(module) == 1
+            shareable = (self.shares_input_gram and len(calls.inputs) == 1
+                         and self.groups(module) == 1)
             view = self.token_view(module)
             key = gram_key(calls.inputs[0], view, a.shape[1]) if shareable else None
             per_group = []
