@@ -217,3 +217,20 @@ def test_an_argument_whose_first_axis_is_not_the_examples_is_refused():
     clipper = PerExampleClipper(mix, 1.0)
     with pytest.raises(UnsupportedLayerError, match="first axis is not the examples"):
         clipper.accumulate(masked_losses, torch.randn(4, 4, 3), torch.arange(4) % 3)
+
+
+def test_an_lstm_in_float32_is_exact():
+    """In float32 torch runs the LSTM with oneDNN, whose kernel under no_grad keeps no
+    workspace for its backward; the per-example path computes without it."""
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(7)
+    model = nn.Sequential(FirstOutput(nn.LSTM(4, 5, batch_first=True)), nn.Linear(5, 3))
+    x, y = torch.randn(4, 6, 4), torch.arange(4) % 3
+    clipper = PerExampleClipper(model, 1e9)  # none clipped: the sum is the batch gradient
+    clipper.accumulate(losses, model, x, y)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    clipper.close()
+    expected = torch.autograd.grad(losses(model, x, y).sum(), list(model.parameters()))
+    expected = torch.cat([g.flatten() for g in expected])
+    assert (got - expected).norm() / expected.norm() < 1e-5
+

@@ -89,8 +89,9 @@ def per_example_gradients(module: nn.Module, calls: LayerCalls,
             continue
         batch = calls.inputs[0].shape[0]
         # torch.func differentiates inside; no_grad keeps the outer autograd from recording
-        # the other layers' (trained) parameters along.
-        with torch.no_grad():
+        # the other layers' (trained) parameters along. oneDNN's float32 LSTM kernel keeps no
+        # workspace under no_grad, and its backward then fails: the native kernels run here.
+        with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
             grads = _one_call(module, params, args, kwargs, output_grads, batch)
             _check_the_sum(module, params, args, kwargs, output_grads, grads)
         grads = {n: g.detach() for n, g in grads.items()}
