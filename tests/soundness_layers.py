@@ -1,12 +1,13 @@
 """Two families of tests/test_soundness_families.py: random stacks of layers, exact against the
 per-example loop (float64, every example clipped, then none):
 
-  * layers on the per-example path (LSTM, GRU, Bilinear, a learned gain, one shared with a
-    Linear's bias) beside layers with rules;
+  * layers on the per-example path (LSTM with a projection, GRU, Bilinear, a learned gain,
+    one shared with a Linear's bias) beside layers with rules;
   * the native rules of torch's attention (either layout, packed or separate weights, biases
     or none, bias_k/bias_v, a zero key, a padding mask, the weights in the loss, called
-    twice), ConvTranspose1d, Conv3d, EmbeddingBag and PReLU (a slope shared with a layer on
-    the per-example path), beside Linear layers and the per-example path.
+    twice), LSTM (one or two layers), ConvTranspose1d, Conv3d, EmbeddingBag and PReLU (a
+    slope shared with a layer on the per-example path), beside Linear layers and the
+    per-example path.
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ class Pairwise(nn.Module):
 
 def _path_layer(rng: random.Random, width: int, linear: nn.Linear) -> nn.Module:
     kind = rng.choice(["lstm", "gru", "gain", "shared gain", "bilinear"])
-    if kind in ("lstm", "gru"):
-        return Recurrent((nn.LSTM if kind == "lstm" else nn.GRU)(width, width, batch_first=True))
+    if kind == "lstm":  # with a projection: no native rule
+        return Recurrent(nn.LSTM(width, width + 1, proj_size=width, batch_first=True))
+    if kind == "gru":
+        return Recurrent(nn.GRU(width, width, batch_first=True))
     if kind == "bilinear":
         return Pairwise(width)
     return Gain(width, linear.bias if kind == "shared gain" else None)
@@ -170,7 +173,11 @@ class Bag(nn.Module):
 
 def _native_layer(rng: random.Random, width: int, linear: nn.Linear,
                   slope: nn.Parameter) -> nn.Module:
-    kind = rng.choice(["attention", "transposed", "volume", "bag", "prelu", "shared prelu"])
+    kind = rng.choice(["attention", "transposed", "volume", "bag", "prelu", "shared prelu",
+                       "lstm"])
+    if kind == "lstm":
+        return Recurrent(nn.LSTM(width, width, num_layers=rng.randint(1, 2),
+                                 bias=rng.random() < 0.7, batch_first=True))
     if kind == "prelu":
         return nn.PReLU()  # one slope: the channel axis of [B, T, d] is T
     if kind == "shared prelu":  # the slope of a Gain on the per-example path too

@@ -222,9 +222,11 @@ def test_an_argument_whose_first_axis_is_not_the_examples_is_refused():
 def test_an_lstm_in_float32_is_exact():
     """In float32 torch runs the LSTM with oneDNN, whose kernel under no_grad keeps no
     workspace for its backward; the per-example path computes without it."""
+    assert PerExampleClipper(nn.LSTM(4, 6, batch_first=True, proj_size=5), 1.0).per_example_path
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(7)
-    model = nn.Sequential(FirstOutput(nn.LSTM(4, 5, batch_first=True)), nn.Linear(5, 3))
+    lstm = nn.LSTM(4, 6, batch_first=True, proj_size=5)  # a projection: no native rule
+    model = nn.Sequential(FirstOutput(lstm), nn.Linear(5, 3))
     x, y = torch.randn(4, 6, 4), torch.arange(4) % 3
     clipper = PerExampleClipper(model, 1e9)  # none clipped: the sum is the batch gradient
     clipper.accumulate(losses, model, x, y)

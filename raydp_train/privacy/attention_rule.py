@@ -28,9 +28,8 @@ from torch import Tensor, nn
 
 from raydp_train.privacy.layer_rules import (
     add_linear_clipped_sum,
-    add_rounding,
     cat_tokens,
-    linear_weight_norm,
+    linear_blocks_norms,
 )
 from raydp_train.privacy.rule_registry import (
     LayerCalls,
@@ -71,13 +70,8 @@ class AttentionRule(Rule):
         weights, biases = _merged_blocks(
             [_call_blocks(module, args, kwargs, grads, slots, len(calls.arguments) == 1)
              for (args, kwargs), grads in zip(calls.arguments, calls.output_grads)])
-        norms = 0
-        per_example = []
-        for _, _, a, g in weights:
-            block_norms, materialized, bound = linear_weight_norm(a, g, gram_cache, None)
-            norms = norms + block_norms
-            per_example.append(materialized)
-            add_rounding(calls, bound)
+        norms, per_example = linear_blocks_norms([(a, g) for _, _, a, g in weights], calls,
+                                                 gram_cache)
         for grads in biases.values():
             norms = norms + grads.reshape(grads.shape[0], -1).square().sum(1)
         calls.state.update(weights=weights, biases=biases, per_example=per_example)

@@ -31,6 +31,7 @@ from raydp_train.privacy import (  # noqa: F401
     embedding_rule,
     layer_rules,
     lora,
+    lstm_rule,
     norm_rules,
     prelu_rule,
     rms_norm_families,

@@ -59,6 +59,19 @@ def add_rounding(calls: LayerCalls, bound: Tensor | None) -> None:
         calls.state["rounding"] = calls.state.get("rounding", 0) + bound
 
 
+def linear_blocks_norms(blocks: list, calls: LayerCalls, gram_cache: dict) -> tuple:
+    """(sum of ||G_i^T a_i||^2 over the blocks [(a [B,T,m], g [B,T,n])] -- separate weights,
+    or disjoint row blocks of one -- and each block's materialized gradients or None), the
+    ghost forms' rounding bounds added to `calls`. For rules made of Linear calls."""
+    norms, materialized = 0, []
+    for a, g in blocks:
+        block_norms, per_example, bound = linear_weight_norm(a, g, gram_cache, None)
+        norms = norms + block_norms
+        materialized.append(per_example)
+        add_rounding(calls, bound)
+    return norms, materialized
+
+
 def add_linear_clipped_sum(
     grad: Tensor, a: Tensor, g: Tensor, clip_factors: Tensor, per_example, rows=None
 ) -> None:
