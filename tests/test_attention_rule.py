@@ -1,5 +1,6 @@
 """nn.MultiheadAttention's rule (privacy/attention_rule.py): its projections as Linear calls,
-exact against the naive per-example loop (float64) in both layouts, packed or separate
+their gradients taken in the model's backward or recomputed, exact against the naive
+per-example loop (float64) in both layouts, packed or separate
 weights, with and without biases, bias_k/bias_v and a zero key, the masks, the attention
 weights in the loss, several calls per micro-batch, eval mode (torch's fast path), a
 TransformerEncoder classifier; leave-one-out within C; dropout and a tie refused by name."""
@@ -86,7 +87,12 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("clip_norm", [1e-3, 1e3])  # every example clipped; none
-def test_attention_is_exact_against_the_per_example_loop(case, clip_norm):
+@pytest.mark.parametrize("taken", [True, False], ids=["in the forward", "recomputed"])
+def test_attention_is_exact_against_the_per_example_loop(case, clip_norm, taken, monkeypatch):
+    """The projections' gradients taken in the model's own backward (attention_capture.py),
+    or, for a call the capture does not take, recomputed from the recorded arguments."""
+    if not taken:
+        monkeypatch.setattr(AttentionRule, "during_forward", lambda *args: None)
     torch.manual_seed(1)
     how = case if case not in ("no bias", "bias_k, bias_v, zero key") else "self"
     model = Attend(how, **CASES[case])

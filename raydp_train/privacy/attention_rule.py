@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raydp_train.privacy.attention_capture import AttentionCapture
 from raydp_train.privacy.layer_rules import (
     add_linear_clipped_sum,
     cat_tokens,
@@ -65,11 +66,16 @@ class AttentionRule(Rule):
             return None
         return query if module.batch_first or query.dim() != 3 else query.transpose(0, 1)
 
+    def during_forward(self, module: nn.Module, calls: LayerCalls, ghost_leaf: Tensor):
+        return AttentionCapture(module, calls, ghost_leaf, attention)
+
     def squared_norms(self, module, calls: LayerCalls, slots: dict, gram_cache: dict) -> Tensor:
         self._refuse_dropout(module)
+        records = _captured(module, calls) or [
+            _recomputed(module, args, kwargs, grads)
+            for (args, kwargs), grads in zip(calls.arguments, calls.output_grads)]
         weights, biases = _merged_blocks(
-            [_call_blocks(module, args, kwargs, grads, slots, len(calls.arguments) == 1)
-             for (args, kwargs), grads in zip(calls.arguments, calls.output_grads)])
+            [_record_blocks(module, record, slots, len(records) == 1) for record in records])
         norms, per_example = linear_blocks_norms([(a, g) for _, _, a, g in weights], calls,
                                                  gram_cache)
         for grads in biases.values():
@@ -96,11 +102,32 @@ class AttentionRule(Rule):
                 "dropout to 0, or freeze its parameters")
 
 
-def _call_blocks(module: nn.Module, args: tuple, kwargs: dict, output_grads: list,
-                 slots: dict, only_call: bool) -> tuple[list, dict]:
-    """One call's Linear blocks [(slot, rows, a [B,T,m], g [B,T,n])] and bias gradients
-    {slot: [B, ...]}, for the trained slots. Several calls' blocks of one slot must cover
-    the same rows (their tokens are concatenated): only a single call may pack q, k, v."""
+def _captured(module: nn.Module, calls: LayerCalls) -> list | None:
+    """The records of the calls that reached the loss, if the capture took every call of the
+    pass (attention_capture.py); else None, and the rule recomputes them."""
+    captured = calls.state.get("captured")
+    if not captured or any(record is None for record in captured):
+        return None
+    dtype = module.out_proj.weight.dtype
+    records = []
+    for record in captured:
+        grads = {name: record.get(name) for name in ("q", "k", "v", "bias_k", "bias_v")}
+        if all(g is None for g in grads.values()) and record.get("y") is None:
+            continue  # its output did not reach the loss
+        inputs = [x.to(dtype) for x in record["inputs"]]
+        projected = {name: g.to(dtype) for name, g in grads.items() if g is not None}
+        for name, x in zip("qkv", inputs):  # a projection that did not reach the loss
+            projected.setdefault(name, x.new_zeros(*x.shape[:2], module.embed_dim))
+        grad_y = record.get("y")
+        records.append({"inputs": inputs, "projected": projected,
+                        "attended": record["attended"].to(dtype),
+                        "grad_y": None if grad_y is None else grad_y.to(dtype)})
+    return records
+
+
+def _recomputed(module: nn.Module, args: tuple, kwargs: dict, output_grads: list) -> dict:
+    """A call's record (inputs, G of q, k, v, bias_k, bias_v, O, dL/dy; batch first) by
+    recomputing the projections and the attention from its recorded arguments."""
     call = _SIGNATURE.bind(module, *args, **kwargs)
     call.apply_defaults()
     given = call.arguments
@@ -112,6 +139,15 @@ def _call_blocks(module: nn.Module, args: tuple, kwargs: dict, output_grads: lis
     if grad_y is not None:
         grad_y = grad_y.to(dtype) if module.batch_first else grad_y.to(dtype).transpose(0, 1)
     projected, attended = _projections_and_gradients(module, inputs, given, grad_y, grad_weights)
+    return {"inputs": inputs, "projected": projected, "attended": attended, "grad_y": grad_y}
+
+
+def _record_blocks(module: nn.Module, record: dict, slots: dict, only_call: bool) -> tuple:
+    """One call's Linear blocks [(slot, rows, a [B,T,m], g [B,T,n])] and bias gradients
+    {slot: [B, ...]}, for the trained slots. Several calls' blocks of one slot must cover
+    the same rows (their tokens are concatenated): only a single call may pack q, k, v."""
+    inputs, projected, grad_y = record["inputs"], record["projected"], record["grad_y"]
+    attended = record["attended"]
     weights, biases = _in_projection_blocks(module, inputs, projected, slots, only_call)
     if grad_y is not None:
         if "out_proj.weight" in slots:
@@ -120,7 +156,8 @@ def _call_blocks(module: nn.Module, args: tuple, kwargs: dict, output_grads: lis
             biases["out_proj.bias"] = grad_y.sum(1)
     for slot in ("bias_k", "bias_v"):
         if slot in slots:
-            biases[slot] = projected[slot]
+            biases[slot] = projected.get(slot, torch.zeros_like(inputs[0][:, 0, :1]).expand(
+                -1, module.embed_dim))
     return weights, biases
 
 
@@ -180,7 +217,7 @@ def _projections_and_gradients(module, inputs: list, given: dict, grad_y, grad_w
             for name in ("bias_k", "bias_v"):
                 leaves[name] = getattr(module, name).detach().reshape(1, -1).expand(
                     batch, -1).clone().requires_grad_()
-        attended, weights = _attention(module, leaves, given)
+        attended, weights = attention(module, leaves, given)
         outputs, cotangents = [], []
         if grad_y is not None:
             outputs.append(attended)
@@ -201,7 +238,7 @@ def _projection_weights(module) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(getattr(module, f"{name}_proj_weight").detach() for name in "qkv")
 
 
-def _attention(module, leaves: dict, given: dict) -> tuple[Tensor, Tensor | None]:
+def attention(module, leaves: dict, given: dict) -> tuple[Tensor, Tensor | None]:
     """O [B, L, E] (before out_proj) and the attention weights, as
     F.multi_head_attention_forward computes them from the projections."""
     q, k, v = leaves["q"], leaves["k"], leaves["v"]

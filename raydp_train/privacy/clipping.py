@@ -125,6 +125,7 @@ class PerExampleClipper(LayerRecorder):
         self._names = {key: name for key, (_, name) in self._audit.owner_of.items()}
         self._recording = False
         self._swapped: dict[nn.Module, dict[str, Tensor]] = {}  # real parameters, during forward
+        self._contexts: list = []  # rules' contexts entered for a forward
         self._ghost_leaf = torch.zeros((), dtype=first.dtype, device=first.device)
         self._ghost_leaf.requires_grad_(True)
         self._handles: dict[nn.Module, tuple] = {}

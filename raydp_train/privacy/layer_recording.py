@@ -28,6 +28,7 @@ class LayerRecorder:
 
     _recording: bool
     _swapped: dict[nn.Module, dict[str, Tensor]]  # real parameters, during a forward
+    _contexts: list  # (module, the context its rule entered for its forward), innermost last
     _calls: dict[nn.Module, LayerCalls]
     _handles: dict[nn.Module, tuple]
     _ghost_leaf: Tensor
@@ -63,6 +64,16 @@ class LayerRecorder:
             owner, leaf = _owner(module, name)
             own[name] = param
             owner._parameters[leaf] = param.detach()
+        rule = self._records_call.get(module)
+        context = rule and rule.during_forward(module, self._calls.setdefault(module, LayerCalls()),
+                                               self._ghost_leaf)
+        if context is not None:  # the rule's own view of the forward (attention_rule.py)
+            context.__enter__()
+            self._contexts.append((module, context))
+
+    def _leave_context(self, module: nn.Module) -> None:
+        while self._contexts and any(m is module for m, _ in self._contexts):
+            self._contexts.pop()[1].__exit__(None, None, None)
 
     def _restore_parameters(self, module: nn.Module) -> None:
         for name, param in self._swapped.pop(module, {}).items():
@@ -70,6 +81,7 @@ class LayerRecorder:
             owner._parameters[leaf] = param
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
+        self._leave_context(module)
         self._restore_parameters(module)
         # Under no_grad (a reentrant checkpoint's first pass) a call adds no gradient; the
         # checkpoint's recomputation in the backward is recorded instead.
@@ -170,6 +182,8 @@ class LayerRecorder:
             yield
         finally:
             self._recording = False
+            while self._contexts:  # a forward that raised left them entered
+                self._contexts.pop()[1].__exit__(None, None, None)
             for module in list(self._swapped):  # a forward that raised left them swapped
                 self._restore_parameters(module)
             for p in self.parameters:

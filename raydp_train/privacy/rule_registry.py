@@ -90,6 +90,11 @@ class Rule:
         return next((x for x in tree_flatten((args, kwargs))[0]
                      if isinstance(x, Tensor) and x.dim() > 0), None)
 
+    def during_forward(self, module: nn.Module, calls: LayerCalls, ghost_leaf: Tensor):
+        """A context manager the hooks enter for the module's forward (its parameters already
+        detached) and leave when it returns, or None; for a rule that `records_call`."""
+        return
+
     def check(self, module: nn.Module, name: str) -> None:
         """Raise UnsupportedLayerError, naming the module `name`, for settings the rule cannot
         handle; by default there are none."""
