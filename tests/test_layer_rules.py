@@ -105,18 +105,19 @@ def test_a_registered_user_layer_is_clipped_like_a_per_example_loop():
 
 
 def test_the_refusal_lists_the_registered_layers(toy_rule):
-    model = nn.Sequential(nn.Linear(4, 4), nn.PReLU())
+    model = nn.Sequential(nn.Linear(4, 4), nn.GRU(4, 4, batch_first=True))
     with pytest.raises(UnsupportedLayerError) as refused:
         PerExampleClipper(model, 1.0, other_layers="refuse")
     message = str(refused.value)
-    assert "module '1' (PReLU) owns trainable parameter(s) 'weight'" in message
+    assert "module '1' (GRU) owns trainable parameter(s) 'weight_ih_l0'" in message
     listed = message.split("supported: ")[1].split(". Set privacy.other_layers")[0]
     assert listed == rule_registry.supported_layers()
-    registered, matched = listed.split("; ")
-    assert matched.startswith("RMSNorm classes by what they compute")
+    registered, *matched = listed.split("; ")
+    assert sorted(m.split(" ")[0] for m in matched) == ["RMSNorm", "nn.EmbeddingBag", "nn.LSTM"]
     assert registered.split(", ") == sorted(
-        ["Conv1d", "Conv2d", "ElementwiseScale", "Embedding", "GroupNorm", "LayerNorm",
-         "Linear", "LoraLinear", "RMSNorm", "transformers.pytorch_utils.Conv1D"])
+        ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ElementwiseScale",
+         "Embedding", "GroupNorm", "LayerNorm", "Linear", "LoraLinear", "MultiheadAttention",
+         "PReLU", "RMSNorm", "transformers.pytorch_utils.Conv1D"])
 
 
 class ForgetsThePositions(ElementwiseScaleRule):

@@ -50,15 +50,15 @@ def test_each_architecture_is_exact_or_refused_by_name(name):
 
 
 def test_modules_without_a_rule_take_the_per_example_path():
-    """ViT's cls token and position embeddings, DINOv2's layer scales, torch's attention and
-    recurrent layers: on the path, named in the run record."""
+    """ViT's cls token and position embeddings, DINOv2's layer scales, torch's GRU: on the
+    path, named in the run record; torch's attention and LSTM have their own rules."""
     assert check("ViT").per_example_path == ["vit.embeddings"]
     assert check("DINOv2").per_example_path == [
         "dinov2.embeddings", "dinov2.encoder.layer.0.layer_scale1",
         "dinov2.encoder.layer.0.layer_scale2"]
-    assert check("LSTM classifier").per_example_path == ["sequence"]
-    assert check("nn.TransformerEncoder").per_example_path == [
-        "sequence.layers.0.self_attn", "sequence.layers.1.self_attn"]
+    assert check("GRU classifier").per_example_path == ["sequence"]
+    assert check("LSTM classifier").per_example_path == []  # its own rule
+    assert check("nn.TransformerEncoder").per_example_path == []
 
 
 def losses(model, x, y):

@@ -1,6 +1,6 @@
-"""Randomized soundness, five more families of models, each generated at random sizes and
-settings and run through the product's own paths (PrivateStep with its default self-check, or
-the engine):
+"""Randomized soundness, six families of models, each generated at random sizes and settings
+and run through the product's own paths (PrivateStep with its default self-check, or the
+engine):
 
   * mixing in training mode only (rolls, centring, batch norm by hand, permutations, from a
     random row on): stopped by the self-check before the first release;
@@ -10,8 +10,11 @@ the engine):
     refused by name with `other_layers: refuse`, exact against the per-example loop on the
     per-example path (and a subclass that only constructs differently keeps its rule);
   * late unfreezing or freezing between steps: refused before anything is computed;
-  * stacks of layers on the per-example path (PReLU, LSTM, GRU, attention, Bilinear, a learned
-    gain, one shared with a Linear's bias) and layers with rules: exact against the loop.
+  * stacks of layers on the per-example path (LSTM, GRU, Bilinear, a learned gain, one shared
+    with a Linear's bias) and layers with rules: exact against the loop;
+  * stacks of the native rules (torch's attention in random settings, ConvTranspose1d, Conv3d,
+    EmbeddingBag, PReLU, a slope shared with the per-example path): exact against the loop
+    (tests/soundness_layers.py holds these two).
 
 "Wrong" is anything else. `make test` runs 200 models; `pytest tests/test_soundness_families.py
 --long` runs 5,000, `--long=N` N.
@@ -25,7 +28,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from oracles import engine_is_the_loop, leave_one_out, naive_clipped_sum
+from oracles import leave_one_out, naive_clipped_sum
+from soundness_layers import native_rules, per_example_path
 from torch import nn
 
 import raydp_train as rt
@@ -208,69 +212,8 @@ def late_freezing(seed: int) -> str | None:
     return "a step with a changed trained set was released"
 
 
-# ------------------------------------------------------------------ the per-example path
-
-
-class _Gain(nn.Module):
-    """A learned per-feature gain, sometimes the same Parameter as a Linear's bias."""
-
-    def __init__(self, width: int, shared: nn.Parameter | None):
-        super().__init__()
-        self.gain = shared if shared is not None else nn.Parameter(torch.randn(width))
-
-    def forward(self, x):
-        return x * self.gain
-
-
-class _Sequence(nn.Module):
-    def __init__(self, recurrent: nn.Module):
-        super().__init__()
-        self.recurrent = recurrent
-
-    def forward(self, x):
-        out = self.recurrent(x, x, x) if isinstance(self.recurrent, nn.MultiheadAttention) \
-            else self.recurrent(x)
-        return out[0] if isinstance(out, tuple) else out
-
-
-def _path_layer(rng: random.Random, width: int, linear: nn.Linear) -> nn.Module:
-    kind = rng.choice(["prelu", "lstm", "gru", "attention", "gain", "shared gain", "bilinear"])
-    if kind == "prelu":
-        return nn.PReLU()  # one slope: the channel axis of [B, T, d] is T
-    if kind in ("lstm", "gru"):
-        return _Sequence((nn.LSTM if kind == "lstm" else nn.GRU)(width, width, batch_first=True))
-    if kind == "attention":
-        return _Sequence(nn.MultiheadAttention(width, 1, batch_first=True))
-    if kind == "bilinear":
-        class Pairwise(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.bilinear = nn.Bilinear(width, width, width)
-
-            def forward(self, x):
-                return self.bilinear(x, x.flip(-1))
-        return Pairwise()
-    return _Gain(width, linear.bias if kind == "shared gain" else None)
-
-
-def per_example_path(seed: int) -> str | None:
-    """Random stacks of layers on the per-example path and layers with rules, shared
-    parameters across both included: exact against the per-example loop."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    width, tokens, batch = rng.randint(2, 6), rng.randint(1, 4), rng.randint(2, 6)
-    layers: list[nn.Module] = []
-    for _ in range(rng.randint(1, 3)):
-        linear = nn.Linear(width, width)
-        layers += [linear, nn.Tanh(), _path_layer(rng, width, linear)]
-    model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(width * tokens, 3)).double()
-    x, y = torch.randn(batch, tokens, width, dtype=torch.float64), torch.randint(0, 3, (batch,))
-    if not engine_is_the_loop(model, losses, x, y):
-        return f"{[type(m).__name__ for m in layers]}: differs from the per-example loop"
-    return None
-
-
-FAMILIES = {"per-example path": per_example_path, "mixing in training mode": mixing, "float32 cancellation": cancellation,
+FAMILIES = {"per-example path": per_example_path, "native rules": native_rules,
+            "mixing in training mode": mixing, "float32 cancellation": cancellation,
             "overridden forwards": overridden, "late (un)freezing": late_freezing}
 
 
@@ -287,5 +230,5 @@ def test_every_family_is_refused_stopped_or_sound(request):
             failures.append(f"{family}, seed {seed}: {reason}")
             if len(failures) >= 5:
                 break
-    print(f"\n{count} models in five families {dict(outcomes)}: {len(failures)} wrong")
+    print(f"\n{count} models in {len(FAMILIES)} families {dict(outcomes)}: {len(failures)} wrong")
     assert not failures, "\n".join(failures)

@@ -26,10 +26,14 @@ from torch import Tensor, nn
 
 # Importing these registers the built-in rules (lora: DP-LoRA's adapter layers).
 from raydp_train.privacy import (  # noqa: F401
+    attention_rule,
+    conv_rules,
     embedding_rule,
     layer_rules,
     lora,
+    lstm_rule,
     norm_rules,
+    prelu_rule,
     rms_norm_families,
 )
 from raydp_train.privacy.covered_layers import (
@@ -49,6 +53,7 @@ from raydp_train.privacy.example_axis import NO_CHANGE, check_example_axis, lead
 from raydp_train.privacy.layer_recording import LayerRecorder
 from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
+from raydp_train.privacy.per_example_path import PER_EXAMPLE_PATH
 from raydp_train.privacy.random_state import random_state, restore_random_state
 from raydp_train.privacy.rounding import full_precision_matmuls, gamma
 from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError, cast_recorded
@@ -92,9 +97,11 @@ class PerExampleClipper(LayerRecorder):
         refuse_state_from_the_batch(model)
         self.layers = covered_layers(model, rules or {}, other_layers)
         self.other_layers = other_layers
-        self._records_call = {module for _, module, rule in self.layers if rule.records_call}
+        self._records_call = {module: rule for _, module, rule in self.layers
+                              if rule.records_call}
         # The modules without a rule of their own, by name (the run record lists them).
-        self.per_example_path = [name for name, module, rule in self.layers if rule.records_call]
+        self.per_example_path = [name for name, _, rule in self.layers
+                                 if rule is PER_EXAMPLE_PATH]
         self.shared_calls: list[str] = []  # of those, the modules called without the examples
         self.ties = find_ties(self.layers)
         # A tied parameter is owned by several layers but trained (and slotted) once.
@@ -121,6 +128,7 @@ class PerExampleClipper(LayerRecorder):
         self._names = {key: name for key, (_, name) in self._audit.owner_of.items()}
         self._recording = False
         self._swapped: dict[nn.Module, dict[str, Tensor]] = {}  # real parameters, during forward
+        self._contexts: list = []  # rules' contexts entered for a forward
         self._ghost_leaf = torch.zeros((), dtype=first.dtype, device=first.device)
         self._ghost_leaf.requires_grad_(True)
         self._handles: dict[nn.Module, tuple] = {}
@@ -163,8 +171,8 @@ class PerExampleClipper(LayerRecorder):
     def _take_shared_path(self) -> None:
         if self._axes.shared:
             self.layers = take_shared_path(self.layers, self.ties, self._axes.shared)
-            self._records_call = {m for _, m, rule in self.layers if rule.records_call}
-            self.per_example_path = [n for n, _, rule in self.layers if rule.records_call]
+            self._records_call = {m: rule for _, m, rule in self.layers if rule.records_call}
+            self.per_example_path = [n for n, _, rule in self.layers if rule is PER_EXAMPLE_PATH]
             self.shared_calls = [n for n, m, _ in self.layers if m in self._axes.shared]
 
     def bind_grads(self) -> Tensor:

@@ -66,14 +66,23 @@ def refuse_batch_second(model: nn.Module) -> None:
     """Layers under a module that declares [T, B, ...] inputs would read tokens as examples
     (undetectable when T == B), so such a module must not hold trained parameters."""
     for name, module in model.named_modules():
-        if getattr(module, "batch_first", True) is False and any(
-            p.requires_grad for p in module.parameters()
-        ):
+        rule = rule_for(module)
+        if rule is not None and rule.handles_batch_second:
+            continue  # reads the examples on axis 1 (nn.MultiheadAttention)
+        if _batch_second(module) and any(p.requires_grad for p in module.parameters()):
             raise BatchDimensionError(
                 f"module '{name or '<root>'}' ({type(module).__name__}) has batch_first=False: "
                 "per-example clipping needs the example dimension first in every trained "
                 "layer; build it with batch_first=True or freeze it"
             )
+
+
+def _batch_second(module: nn.Module) -> bool:
+    """Declares [T, B, ...] inputs: batch_first=False, or a torch Transformer layer whose
+    attention has it (the layer's Linear and norm layers then read tokens as examples)."""
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return module.self_attn.batch_first is False
+    return getattr(module, "batch_first", True) is False
 
 
 def refuse_compiled(model: nn.Module) -> None:
@@ -93,8 +102,8 @@ def refuse_state_from_the_batch(model: nn.Module) -> None:
     itself, outside the clipped sum and its noise, are refused trained or frozen: BatchNorm
     normalizes each example by the batch's statistics (one example moves every other's
     gradient) and, like InstanceNorm with running statistics, keeps un-noised running means
-    of the data in the model; an Embedding with max_norm rescales, in place, the rows of the
-    tokens a batch holds."""
+    of the data in the model; an Embedding or EmbeddingBag with max_norm rescales, in place,
+    the rows of the tokens a batch holds."""
     for name, module in model.named_modules():
         label = f"module '{name or '<root>'}' ({type(module).__name__})"
         if isinstance(module, _BatchNorm) or (
@@ -104,7 +113,7 @@ def refuse_state_from_the_batch(model: nn.Module) -> None:
                 "of the data, outside clipping and noise, trained or frozen: replace it with "
                 "GroupNorm or LayerNorm, which normalize each example by itself (model.fix: "
                 "true, or raydp_train.fix(model), does it)")
-        if isinstance(module, nn.Embedding) and module.max_norm is not None:
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
             raise UnsupportedLayerError(
                 f"{label} has max_norm={module.max_norm}: it rescales, in place, the rows of "
                 "the tokens each batch holds, outside clipping and noise: build it without "
@@ -121,9 +130,10 @@ def covered_layers(model: nn.Module, rules: dict, other_layers: str = "per_examp
         rule = rules.get(module) or rule_for(module)
         if rule is None and other_layers == "per_example":
             rule = PER_EXAMPLE_PATH
-            if isinstance(module, USES_CHILDREN_FUNCTIONALLY):
-                WHOLE_SUBTREE.add(module)
-                inside |= set(module.modules()) - {module}
+        if rule is not None and (rule.owns_subtree or (
+                rule is PER_EXAMPLE_PATH and isinstance(module, USES_CHILDREN_FUNCTIONALLY))):
+            WHOLE_SUBTREE.add(module)
+            inside |= set(module.modules()) - {module}
         params = own_trainable(module)
         if not params:
             continue

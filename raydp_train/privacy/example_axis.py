@@ -58,12 +58,13 @@ def check_example_axis(layers: list, compute_losses: Callable[..., Tensor], args
     grown, batch = _grown(args), size + 1
     seen: dict[nn.Module, list[tuple]] = {}
     losses = _probe(layers, compute_losses, grown,
-                    {m: _recorder(seen, m, batch) for _, m, _ in layers})
+                    {m: _recorder(seen, m, rule, batch) for _, m, rule in layers})
     if losses is None:
         return NO_CHANGE
     # The same at the batch's own size: a [T, T] lookup with T = B + 1 passes the grown one.
     before: dict[nn.Module, list[tuple]] = {}
-    _probe(layers, compute_losses, args, {m: _recorder(before, m, size) for _, m, _ in layers})
+    _probe(layers, compute_losses, args,
+           {m: _recorder(before, m, rule, size) for _, m, rule in layers})
     folded, one_row, shared = set(), [], {}
     for name, module, rule in layers:
         sizes = [rows for rows, _, _ in before.get(module, ())]
@@ -167,12 +168,11 @@ def _not_the_examples(name: str, module: nn.Module, rows: int, batch: int):
         "per_example (one backward per example for its gradients)")
 
 
-def _recorder(seen: dict, module: nn.Module, batch: int):
+def _recorder(seen: dict, module: nn.Module, rule, batch: int):
     """Keeps, for each call, its leading size and, if folded k rows an example, its first
-    and last k rows."""
+    and last k rows (of the argument its rule reads the examples from)."""
     def record(layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = next((x for x in tree_flatten((args, kwargs))[0]
-                  if isinstance(x, Tensor) and x.dim() > 0), None)
+        x = rule.examples_in(layer, args, kwargs)
         if x is None:  # computed from no input at all: shared by the examples
             seen.setdefault(module, []).append((0, None, None))
         else:

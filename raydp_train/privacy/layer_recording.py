@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from raydp_train.privacy.covered_layers import BatchDimensionError
 from raydp_train.privacy.example_axis import ExampleAxes, expanded_call
 from raydp_train.privacy.owned_parameters import owned_parameters
-from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError, fold
+from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError, fold
 from raydp_train.privacy.shared_calls import SharedOutputs
 
 
@@ -30,10 +30,11 @@ class LayerRecorder:
 
     _recording: bool
     _swapped: dict[nn.Module, dict[str, Tensor]]  # real parameters, during a forward
+    _contexts: list  # (module, the context its rule entered for its forward), innermost last
     _calls: dict[nn.Module, LayerCalls]
     _handles: dict[nn.Module, tuple]
     _ghost_leaf: Tensor
-    _records_call: set[nn.Module]  # modules whose rule keeps every argument and output
+    _records_call: dict[nn.Module, Rule]  # modules whose rule keeps every argument and output
     _axes: ExampleAxes  # folded and shared-table layers (example_axis.py)
     _pass_batch: int | None  # the examples of the pass being recorded
     _shared_outputs: SharedOutputs  # the outputs of the pass's shared calls
@@ -65,14 +66,27 @@ class LayerRecorder:
         if not self._recording:
             return None
         if torch.is_grad_enabled():
-            own = self._swapped.setdefault(module, {})
-            for name, param in owned_parameters(module).items():
-                owner, leaf = _owner(module, name)
-                own[name] = param
-                owner._parameters[leaf] = param.detach()
+            self._detach_own(module)
         if module in self._axes.expanded and (self._pass_batch or 1) > 1:
             return expanded_call(args, kwargs, self._pass_batch)
         return None
+
+    def _detach_own(self, module: nn.Module) -> None:
+        own = self._swapped.setdefault(module, {})
+        for name, param in owned_parameters(module).items():
+            owner, leaf = _owner(module, name)
+            own[name] = param
+            owner._parameters[leaf] = param.detach()
+        rule = self._records_call.get(module)
+        context = rule and rule.during_forward(module, self._calls.setdefault(module, LayerCalls()),
+                                               self._ghost_leaf)
+        if context is not None:  # the rule's own view of the forward (attention_rule.py)
+            context.__enter__()
+            self._contexts.append((module, context))
+
+    def _leave_context(self, module: nn.Module) -> None:
+        while self._contexts and any(m is module for m, _ in self._contexts):
+            self._contexts.pop()[1].__exit__(None, None, None)
 
     def _restore_parameters(self, module: nn.Module) -> None:
         for name, param in self._swapped.pop(module, {}).items():
@@ -80,6 +94,7 @@ class LayerRecorder:
             owner._parameters[leaf] = param
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
+        self._leave_context(module)
         self._restore_parameters(module)
         # Under no_grad (a reentrant checkpoint's first pass) a call adds no gradient; the
         # checkpoint's recomputation in the backward is recorded instead.
@@ -110,8 +125,7 @@ class LayerRecorder:
         """Every argument, and the gradient of every floating-point tensor of the output (for
         a call shared by the examples: each example's, shared_calls.py)."""
         shared = module in self._axes.shared
-        layer_input = next((x for x in tree_flatten((args, kwargs))[0]
-                            if isinstance(x, Tensor) and x.dim() > 0), None)
+        layer_input = self._records_call[module].examples_in(module, args, kwargs)
         if shared:
             layer_input = torch.empty(self._pass_batch or 0, 0)
         if layer_input is None:
@@ -214,6 +228,8 @@ class LayerRecorder:
             yield
         finally:
             self._recording = False
+            while self._contexts:  # a forward that raised left them entered
+                self._contexts.pop()[1].__exit__(None, None, None)
             for module in list(self._swapped):  # a forward that raised left them swapped
                 self._restore_parameters(module)
             for p in self.parameters:

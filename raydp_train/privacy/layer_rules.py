@@ -59,6 +59,19 @@ def add_rounding(calls: LayerCalls, bound: Tensor | None) -> None:
         calls.state["rounding"] = calls.state.get("rounding", 0) + bound
 
 
+def linear_blocks_norms(blocks: list, calls: LayerCalls, gram_cache: dict) -> tuple:
+    """(sum of ||G_i^T a_i||^2 over the blocks [(a [B,T,m], g [B,T,n])] -- separate weights,
+    or disjoint row blocks of one -- and each block's materialized gradients or None), the
+    ghost forms' rounding bounds added to `calls`. For rules made of Linear calls."""
+    norms, materialized = 0, []
+    for a, g in blocks:
+        block_norms, per_example, bound = linear_weight_norm(a, g, gram_cache, None)
+        norms = norms + block_norms
+        materialized.append(per_example)
+        add_rounding(calls, bound)
+    return norms, materialized
+
+
 def add_linear_clipped_sum(
     grad: Tensor, a: Tensor, g: Tensor, clip_factors: Tensor, per_example, rows=None
 ) -> None:
@@ -124,6 +137,9 @@ class LinearRule(Rule):
     """nn.Linear: input [B, ..., m], output gradient [B, ..., n]."""
 
     folds_examples = True
+    # Its tokens' features are its input's, so layers reading one input may share a Gram
+    # (a transposed convolution's are its output gradient's patches: never).
+    shares_input_gram = True
 
     def tokens(self, module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """Both as [B, T, features] (T = 1 for plain vectors)."""
@@ -148,7 +164,8 @@ class LinearRule(Rule):
         calls.state.update(a=a, g=g, rows=rows)
         norms = a.new_zeros(a.shape[0])
         if "weight" in slots:
-            shareable = len(calls.inputs) == 1 and self.groups(module) == 1
+            shareable = (self.shares_input_gram and len(calls.inputs) == 1
+                         and self.groups(module) == 1)
             view = self.token_view(module)
             key = gram_key(calls.inputs[0], view, a.shape[1]) if shareable else None
             per_group = []

@@ -91,8 +91,9 @@ def per_example_gradients(module: nn.Module, calls: LayerCalls,
         if output_grads is None:
             continue
         # torch.func differentiates inside; no_grad keeps the outer autograd from recording
-        # the other layers' (trained) parameters along.
-        with torch.no_grad():
+        # the other layers' (trained) parameters along. oneDNN's float32 LSTM kernel keeps no
+        # workspace under no_grad, and its backward then fails: the native kernels run here.
+        with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
             grads = _one_call(module, params, (args, kwargs), output_grads, batch, k)
             summed = output_grads if k else [None if g is None else g.sum(0)
                                               for g in output_grads]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from raydp_train.errors import UserError
 
@@ -85,6 +86,23 @@ class Rule:
     # whose rows fold k rows an example into the first axis can be given as [B, k, ...]
     # (example_axis.py); False: such a call is refused.
     folds_examples = False
+    # True: the rule reads the examples where a batch_first=False module keeps them (axis 1),
+    # so such a module is not refused (`examples_in` says where they are).
+    handles_batch_second = False
+    # True: the module owns its whole subtree's parameters, which its forward uses without
+    # calling the children (nn.MultiheadAttention's `out_proj`).
+    owns_subtree = False
+
+    def examples_in(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        """Of a call's arguments, the tensor whose first axis is the examples (the engine
+        checks it against the batch); by default the first tensor with an axis."""
+        return next((x for x in tree_flatten((args, kwargs))[0]
+                     if isinstance(x, Tensor) and x.dim() > 0), None)
+
+    def during_forward(self, module: nn.Module, calls: LayerCalls, ghost_leaf: Tensor):
+        """A context manager the hooks enter for the module's forward (its parameters already
+        detached) and leave when it returns, or None; for a rule that `records_call`."""
+        return
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise UnsupportedLayerError, naming the module `name`, for settings the rule cannot
