@@ -50,22 +50,22 @@ VISION_SEQUENCE = ("vit", "lstm", "transformer")
 CORES = len(os.sched_getaffinity(0))
 TARGET = "our DP-SGD step <= 1.2x the non-private step on the BERT-style encoder"
 VISION_SEQUENCE_ANALYSIS = (
-    'Where the time goes (profiled on the TransformerEncoder, 1 thread, same loaded machine: '
-    'our micro-batch 627 ms against a non-private forward and backward of 401 ms): the '
-    'attention rule about 185 ms -- recomputing the projections and the attention and one '
-    'backward of the attention alone (for G_q, G_k, G_v) about 110 ms, the ghost norms of its'
-    " projections (T = 64) about 65 ms --, the other Linear layers' norms and sums about 125 "
-    "ms. Taking the projections' output gradients in the model's own backward (no "
-    "recomputation) is what would bring it near the 1.3x target; it needs the attention's "
-    "forward replaced inside the hooks. On the ViT, HF's attention is made of Linear layers "
-    '(their rule); the extra time there is the per-example path of `vit.embeddings` (cls '
-    'token and position embeddings: the embeddings module, patch convolution included, '
-    "recomputed per example under vmap). The LSTM's rule recomputes the recurrence step by "
-    'step in Python (32 steps), which is most of its 4.5x; before it the LSTM took the per-'
-    "example path, one example at a time (vmap cannot batch torch's LSTM), about 1.1 s per "
-    'micro-batch on this machine, some 20x non-private. Absolute times here are inflated '
-    'several times by the load (CPU contention near 100%): read the ratios, measured round-'
-    'robin in one process.'
+    "Where the time goes. TransformerEncoder: the attention's projections are Linear calls "
+    "whose output gradients the model's own backward brings (its forward is computed from its"
+    ' parts inside the hooks); what is left over non-private is the ghost norms (T = 64) and '
+    'clipped sums of the Linear layers and the noise. An earlier run of this section, with '
+    "the projections' gradients recomputed (one more forward of the projections and attention"
+    ' and one backward of the attention per call, about 110 ms of a 627 ms micro-batch in a '
+    "profile), measured 1.47x. ViT: HF's attention is made of Linear layers (their rule); the"
+    ' extra time is mostly the per-example path of `vit.embeddings` (cls token and position '
+    'embeddings: the embeddings module, patch convolution included, recomputed per example '
+    'under vmap). LSTM: its rule recomputes the recurrence step by step in Python (32 steps) '
+    'and backpropagates it once, most of its ~6x of a fused-kernel step; before the rule the '
+    "LSTM took the per-example path, one example at a time (vmap cannot batch torch's LSTM), "
+    'about 1.1 s per micro-batch on this machine, some 20x non-private. Absolute times are '
+    'inflated several times by the load (CPU contention near 100%, load average 16-36 on 2 '
+    'cores): read the ratios, measured round-robin in one process; a rerun moves them by '
+    'about 0.1-0.2x.'
 )
 OVERHEAD_ANALYSIS = (
     "Where our extra time goes on the encoder, per step (about 100 ms over a ~300 ms "
