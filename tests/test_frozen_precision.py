@@ -81,6 +81,23 @@ def test_lora_on_a_bf16_base_is_exact_and_releases_a_full_precision_merge():
     torch.testing.assert_close(released(ids), model(ids))
 
 
+def test_a_rebuilt_release_computes_as_the_run_did():
+    """predict's model (full precision, loaded from model.pt) takes back the saved bf16
+    weights and their hooks: the same outputs, bit for bit."""
+    from raydp_train.models.frozen_precision import keep_as_saved
+
+    torch.manual_seed(3)
+    model = Tagger()
+    keep_frozen_in(model, "bf16")
+    state = model.state_dict()
+    rebuilt = Tagger()
+    rebuilt.load_state_dict(state)
+    keep_as_saved(rebuilt, state)
+    assert rebuilt.embed.weight.dtype == torch.bfloat16 and rebuilt.head.weight.dtype == torch.float32
+    ids = torch.randint(0, 20, (4, 5))
+    assert torch.equal(rebuilt(ids), model(ids))
+
+
 def test_the_frozen_dtype_is_read_and_an_unknown_one_refused_naming_the_field():
     pipeline = PIPELINES / "digits_custom_model.yaml"
     assert load_pipeline(pipeline, ["model.frozen_dtype=bf16"]).model.frozen_dtype == "bf16"

@@ -30,12 +30,30 @@ def keep_frozen_in(model: nn.Module, frozen_dtype: str) -> int:
         own = list(module.parameters(recurse=False))
         if not own or any(p.requires_grad or not p.is_floating_point() for p in own):
             continue
-        for param in own:
-            saved += param.numel() * (param.element_size() - dtype.itemsize)
-            param.data = param.data.to(dtype)
-        module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
-        module.register_forward_hook(_cast_outputs(trained))
+        saved += sum(p.numel() * (p.element_size() - dtype.itemsize) for p in own)
+        _keep_in(module, dtype, trained)
     return saved
+
+
+def keep_as_saved(model: nn.Module, state: dict) -> None:
+    """A released model rebuilt in full precision, each module whose weights `state` (its
+    model.pt, which keeps every tensor's dtype) holds in bf16 or fp16 kept and computed so
+    again: its predictions are the run's own evaluation's."""
+    trained = next(iter(model.parameters())).dtype
+    for prefix, module in model.named_modules():
+        names = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
+        dtypes = {state[n].dtype for n in names if n in state}
+        if names and all(n in state for n in names) and len(dtypes) == 1 \
+                and dtypes <= {torch.bfloat16, torch.float16}:
+            _keep_in(module, dtypes.pop(), trained)
+
+
+def _keep_in(module: nn.Module, dtype: torch.dtype, trained: torch.dtype) -> None:
+    """The module's own parameters in `dtype`; its inputs cast to it, its outputs back."""
+    for param in module.parameters(recurse=False):
+        param.data = param.data.to(dtype)
+    module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
+    module.register_forward_hook(_cast_outputs(trained))
 
 
 def _cast_inputs(module: nn.Module, args: tuple, kwargs: dict):

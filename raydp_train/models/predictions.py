@@ -140,13 +140,18 @@ def _released_model(run_dir: Path, pipeline):
 
     if is_causal_lm(config):
         raise PredictError(f"{run_dir}: a causal language model; use `raydp-train generate`")
-    if config.kind == "hf":
-        return _hf_model(run_dir, config).eval()
-    from raydp_train.models.builders import build_model
+    from raydp_train.models.frozen_precision import keep_as_saved
 
-    shape = _recorded(run_dir)
-    model = build_model(config, tuple(shape["feature_shape"]), shape["num_classes"])
-    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    if config.kind == "hf":
+        model = _hf_model(run_dir, config)
+    else:
+        from raydp_train.models.builders import build_model
+
+        shape = _recorded(run_dir)
+        model = build_model(config, tuple(shape["feature_shape"]), shape["num_classes"])
+        model.load_state_dict(state)
+    keep_as_saved(model, state)  # frozen weights kept in bf16 or fp16 (model.frozen_dtype)
     return model.eval()
 
 
