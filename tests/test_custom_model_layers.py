@@ -169,6 +169,8 @@ def test_text_reaches_a_torch_model_through_its_tokenizer(tmp_path, capsys):
     assert main(["validate", str(SST2_LSTM), "--set", "model.tokenizer=null"]) == 2
     error = capsys.readouterr().err
     assert "data.text_column: text needs a tokenizer" in error and "model.tokenizer" in error
+    assert main(["validate", str(SST2_LSTM), "--set", "model.tokenizer=package:no_such/x"]) == 2
+    assert "model.tokenizer: package 'no_such' is not installed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("factory", ["vit", "hf_vit"])
