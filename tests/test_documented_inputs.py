@@ -36,6 +36,8 @@ RUN_ELSEWHERE = {
     "model.factory": "model.kind torch: tests/test_custom_model.py (a run on 2 workers)",
     "model.kwargs": "model.kind torch: tests/test_custom_model.py",
     "model.loss": "model.kind torch: tests/test_custom_model.py (the example on 2 workers)",
+    "model.tokenizer": "model.kind torch on text: tests/test_custom_model_layers.py (validate "
+                       "--check-model of pipelines/sst2_lstm.yaml; its run: benchmarks/RESULTS.md)",
     "model.fix": "model.kind torch: tests/test_fixes.py (validate --check-model; the fixed "
                  "model against the per-example loop)",
     "data.label_kind": "real and multi_hot: tests/test_label_kinds.py (a regression and a "

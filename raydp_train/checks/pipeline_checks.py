@@ -105,7 +105,7 @@ def check_loss(pipeline: Pipeline, model: nn.Module, feature_shape: tuple[int, .
 
     if getattr(pipeline.model, "loss", None) is not None:
         generator = torch.Generator().manual_seed(0)
-        features = torch.randn(2, *feature_shape, generator=generator)
+        features = random_features(pipeline, model, feature_shape, 2, generator)
         kind = label_kind(pipeline.data)
         with torch.no_grad():
             training_loss(pipeline.model, kind)(
@@ -113,6 +113,27 @@ def check_loss(pipeline: Pipeline, model: nn.Module, feature_shape: tuple[int, .
 
 
 PREFLIGHT_ROWS = 8  # rows of the preflight's random batch
+
+
+def random_features(pipeline: Pipeline, model: nn.Module, feature_shape: tuple[int, ...],
+                    count: int, generator):
+    """`count` random rows of the model's input: token ids of its vocabulary and attention
+    masks (some padding) for text, else standard normal numbers."""
+    import torch
+
+    if getattr(pipeline.data, "text_column", None) is None:
+        return torch.randn(count, *feature_shape, generator=generator)
+    if pipeline.model.kind == "hf":
+        vocab = model.model.get_input_embeddings().num_embeddings  # the transformers model
+    else:  # a torch model's `model.tokenizer`
+        from raydp_train.data.text import vocabulary_size
+        from raydp_train.models.hf_files import tokenizer_source
+
+        vocab = vocabulary_size(tokenizer_source(pipeline.model))
+    ids = torch.randint(vocab, (count, feature_shape[-1]), generator=generator)
+    lengths = torch.randint(1, feature_shape[-1] + 1, (count, 1), generator=generator)
+    mask = (torch.arange(feature_shape[-1]) < lengths).long()
+    return torch.stack([ids * mask, mask], dim=1)
 
 
 def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tuple[int, ...],
@@ -136,14 +157,7 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
     generator = torch.Generator().manual_seed(0)
     # A batch of a few rows: a model that mixes rows (from the third on, say) shows.
     count = max(settings.examples, PREFLIGHT_ROWS)
-    if pipeline.model.kind == "hf":
-        vocab = model.model.get_input_embeddings().num_embeddings  # the transformers model
-        ids = torch.randint(vocab, (count, feature_shape[-1]), generator=generator)
-        lengths = torch.randint(1, feature_shape[-1] + 1, (count, 1), generator=generator)
-        mask = (torch.arange(feature_shape[-1]) < lengths).long()  # some padding too
-        features = torch.stack([ids * mask, mask], dim=1)
-    else:
-        features = torch.randn(count, *feature_shape, generator=generator)
+    features = random_features(pipeline, model, feature_shape, count, generator)
     kind = label_kind(pipeline.data)
     labels = kind.example_labels(count, num_classes, generator)
     loss = task_of(pipeline).training_loss(pipeline.model)

@@ -88,7 +88,7 @@ class ParquetData(Section):
     # Never fitted on the private rows (that would be a release outside the accounting).
     normalize: dict[str, tuple[float, float]] | None = None
     tensor_column: str | None = None
-    text_column: str | None = None  # strings, tokenized by the model's tokenizer (model.kind hf)
+    text_column: str | None = None  # strings, tokenized by the model's tokenizer
     max_length: int = Field(128, ge=2)  # tokens per text, padded or truncated
     # Classes of a sequence classifier; null for model.task causal_lm, whose targets are each
     # text's own next tokens (the pipeline sets that when the field is left out).

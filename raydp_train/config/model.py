@@ -67,6 +67,8 @@ class TorchModel(Section):
     num_classes: NumClasses = None
     fix: bool = False  # BatchNorm -> GroupNorm, ... (privacy/fixes.py), one line each
     frozen_dtype: FrozenDtype = "fp32"
+    # Text data's tokenizer (features [B, 2, max_length]: ids, mask): as hf's name_or_path.
+    tokenizer: ReadPath | None = Field(None, min_length=1)
 
 
 class LastLayers(Section):

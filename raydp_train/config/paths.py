@@ -15,8 +15,9 @@ from pathlib import Path
 def resolve_relative_paths(raw: dict, base: Path) -> dict:
     """`raw` (a parsed pipeline, changed in place) with its relative input paths made absolute
     against `base`: data.path, data.test_path, data.validation.path, the file of a
-    model.factory and model.loss ("file.py:function"), and a model.name_or_path that starts with ./ or ../
-    (without those it may name a hub model, e.g. `org/name`).
+    model.factory and model.loss ("file.py:function"), and a model.name_or_path or
+    model.tokenizer that starts with ./ or ../ (without those it may name a hub model, e.g.
+    `org/name`).
     Values of the wrong type are left for the schema to refuse."""
     data = raw.get("data")
     if isinstance(data, dict):
@@ -24,8 +25,9 @@ def resolve_relative_paths(raw: dict, base: Path) -> dict:
         if isinstance(data.get("validation"), dict):
             _make_absolute(data["validation"], ("path",), base)
     model = raw.get("model")
-    if isinstance(model, dict) and str(model.get("name_or_path")).startswith(("./", "../")):
-        _make_absolute(model, ("name_or_path",), base)
+    for field in ("name_or_path", "tokenizer"):
+        if isinstance(model, dict) and str(model.get(field)).startswith(("./", "../")):
+            _make_absolute(model, (field,), base)
     for field in ("factory", "loss"):  # model.kind torch: a file's function
         spec = model.get(field) if isinstance(model, dict) else None
         if isinstance(spec, str) and ".py:" in spec:

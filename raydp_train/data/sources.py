@@ -158,8 +158,8 @@ class _Reader:
 
         rows = check_text_file(path, config.text_column, config.label_column, field)
         if self.tokenizer is None:
-            raise DataError("data.text_column: text needs a tokenizer: use model.kind hf with "
-                            "model.name_or_path")
+            raise DataError("data.text_column: text needs a tokenizer: model.name_or_path of "
+                            "model.kind hf, or model.tokenizer of model.kind torch")
         labels = text_labels(open_parquet(path), rows, path, config)
         if not self.tokenize:
             return _unread_tokens(len(labels), config.max_length), labels

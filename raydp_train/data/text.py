@@ -25,6 +25,11 @@ def _tokenizer(path: str):
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
+def vocabulary_size(tokenizer_path: str) -> int:
+    """The token ids the tokenizer at `tokenizer_path` gives: 0 .. size - 1."""
+    return len(_tokenizer(tokenizer_path))
+
+
 # Sentences per call of the tokenizer: its padded arrays stay small.
 BATCH_ROWS = 1024
 

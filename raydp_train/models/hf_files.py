@@ -19,7 +19,7 @@ class HFModelError(UserError, ValueError):
     the message says which field."""
 
 
-def resolve_name_or_path(name_or_path: str) -> str:
+def resolve_name_or_path(name_or_path: str, field: str = "model.name_or_path") -> str:
     """`package:pkg/sub/dir` -> the installed folder; other values are returned as given."""
     if not name_or_path.startswith("package:"):
         return name_or_path
@@ -27,17 +27,20 @@ def resolve_name_or_path(name_or_path: str) -> str:
     spec = importlib.util.find_spec(package) if package else None
     if spec is None or not spec.submodule_search_locations:
         raise HFModelError(
-            f"model.name_or_path: package {package!r} is not installed (from {name_or_path!r}); "
+            f"{field}: package {package!r} is not installed (from {name_or_path!r}); "
             "pip install it, or give a directory"
         )
     folder = Path(next(iter(spec.submodule_search_locations))) / inside
     if not folder.is_dir():
-        raise HFModelError(f"model.name_or_path: {folder} (from {name_or_path!r}) is not a folder")
+        raise HFModelError(f"{field}: {folder} (from {name_or_path!r}) is not a folder")
     return str(folder)
 
 
 def tokenizer_source(config) -> str | None:
-    """Where text data's tokenizer comes from: the hf model's folder or hub name."""
+    """Where text data's tokenizer comes from: the hf model's folder or hub name, or a torch
+    model's `model.tokenizer`."""
+    if config.kind == "torch" and config.tokenizer is not None:
+        return resolve_name_or_path(config.tokenizer, "model.tokenizer")
     if config.kind != "hf" or config.name_or_path is None:
         return None
     return resolve_name_or_path(config.name_or_path)
