@@ -232,6 +232,8 @@ BAD_BATCHES = {
     "text": (lambda x, y: ({"x": x, "text": ["a"] * len(y)},),
              "step: batch['text'][0] is a str, not a tensor"),
     "sizes": (lambda x, y: (x, y[:-1]), "step: the tensors of a batch must share their first"),
+    "a dict's keys": (lambda x, y: tuple({"x": x, "y": y}),
+                      "step: got strings ('x', 'y'), the keys of a dict batch"),
     "default loss on a dict": (lambda x, y: ({"x": x, "y": y},),
                                "loss: the default loss takes step(inputs..., labels)"),
 }

@@ -56,6 +56,9 @@ def load_rows(source) -> object:
 def row_count(rows, where: str) -> int:
     """The examples of `rows`: the shared first axis of its tensors; anything else in it is
     refused by its place (`rows['text']`)."""
+    if isinstance(rows, tuple) and rows and all(isinstance(part, str) for part in rows):
+        raise PrivateStepError(f"{where}: got strings {rows[:3]}, the keys of a dict batch "
+                               "(step(*batch) unpacks a dict's keys); pass step(batch)")
     sizes = set()
     for path, leaf in tree_flatten_with_path(rows)[0]:
         if not isinstance(leaf, Tensor) or leaf.dim() == 0:
