@@ -216,6 +216,9 @@ BAD = {
     "noise mode": ({"noise": "quantum"}, "noise: must be one of 'fast', 'secure'"),
     "seeded secure": ({"noise": "secure", "seed": 1}, "noise: 'secure' cannot be seeded"),
     "self check": ({"self_check": {"examples": 0}}, "self_check.examples: must be >= 1"),
+    "accountant": ({"accountant": "moments"}, "accountant: must be one of 'rdp', 'pld'"),
+    "loss": ({"loss": "cross_entropy"}, "loss: must be a function (model, *batch)"),
+    "chunk": ({"steps_per_charge": 0}, "steps_per_charge: must be an int > 0"),
 }
 
 

@@ -38,15 +38,16 @@ from raydp_train.train.own_loop_arguments import (
     calibrated_sigma,
     check_noise,
     check_numbers,
+    check_objects,
     privacy_settings,
 )
 from raydp_train.train.own_loop_state import (
     check_saved,
     count_restored,
     new_parameters_to_optimizer,
-    rank_and_world,
     release_record,
 )
+from raydp_train.train.own_loop_world import LoopWorld
 from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.step import private_step
 
@@ -82,12 +83,14 @@ class PrivateStep:
         when local; outside Ray Train, nothing: a single process has no restart)."""
         check_numbers(clip_norm, noise_multiplier, target_epsilon, steps, expected_batch_size,
                       num_examples, delta, max_physical_batch)
+        check_objects(model, optimizer, loss, steps_per_charge)
         check_noise(noise, seed)
         privacy, chosen = privacy_settings(
             mechanism, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
             target_epsilon=target_epsilon, delta=delta, accountant=accountant, lsg=lsg,
             lora=lora, self_check=self_check, other_layers=other_layers)
-        self.rank, self.world_size = rank_and_world()
+        self.world = LoopWorld()
+        self.rank = self.world.rank
         rate = sampling_rate(expected_batch_size, num_examples)
         sigma = noise_multiplier or self._calibrated(target_epsilon, delta, rate, steps,
                                                      accountant)
@@ -109,8 +112,8 @@ class PrivateStep:
     def _attach(self, privacy, chosen, model, optimizer, seed, noise) -> None:
         """Rank 0's parameters everywhere, the mechanism's engine (its randomness shared by
         every rank), the noise (rank 0 alone draws it) and this rank's sampler."""
-        self._broadcast_parameters()
-        shared_seed = self._from_rank_0(int.from_bytes(os.urandom(8), "little")
+        self.world.broadcast_parameters(self.model)
+        shared_seed = self.world.from_rank_0(int.from_bytes(os.urandom(8), "little")
                                         if seed is None else seed)
         self.mechanism = chosen(privacy, torch.Generator().manual_seed(shared_seed))
         self.clipper = self.mechanism.attach(model, self.plan.clip_norm)
@@ -121,7 +124,7 @@ class PrivateStep:
                                                     self.plan.clip_norm)
                            if self.rank == 0 else 0.0)
         self._sampling, _ = make_generator(None)
-        self._checks = EngineChecks(privacy.self_check, shared_seed + 1, self._gather)
+        self._checks = EngineChecks(privacy.self_check, shared_seed + 1, self.world.gather)
 
     @property
     def noise_multiplier(self) -> float:
@@ -168,7 +171,7 @@ class PrivateStep:
         self.account.releasing_step(self.steps_done)  # on record before it can leave
         stats = private_step(self.model, self.clipper, self.optimizer, micro_batches,
                              rows_.on_layout(self.loss, layout), self._noise_std,
-                             self.plan.expected_batch_size, self._noise, self._all_reduce_sum,
+                             self.plan.expected_batch_size, self._noise, self.world.all_reduce_sum,
                              self.mechanism, engine_checks=self._checks)
         self.steps_done += 1
         self._taken += 1
@@ -233,7 +236,7 @@ class PrivateStep:
         if self.seed is None:
             return self._sampling
         return self._sampling.manual_seed(
-            self.seed + 1 + self.rank + self.world_size * self.steps_done)
+            self.seed + 1 + self.rank + self.world.size * self.steps_done)
 
     def _calibrated(self, target_epsilon, delta, rate, steps, accountant) -> float:
         """Rank 0 calibrates (dp-accounting), every rank gets its sigma or its refusal."""
@@ -243,7 +246,7 @@ class PrivateStep:
                 answer = calibrated_sigma(target_epsilon, delta, rate, steps, accountant)
             except PrivateStepError as error:
                 answer = str(error)
-        answer = self._from_rank_0(answer)
+        answer = self.world.from_rank_0(answer)
         if isinstance(answer, str):
             raise PrivateStepError(answer.removeprefix("PrivateStep "))
         return answer
@@ -252,7 +255,7 @@ class PrivateStep:
         """Rank 0 settles the used chunk and reserves the next; every rank obeys its answer
         and learns the steps earlier attempts released."""
         answer = self._charge_next() if self.rank == 0 else None
-        refusal, stop, chunk, before = self._from_rank_0(answer)
+        refusal, stop, chunk, before = self.world.from_rank_0(answer)
         self._released_before, self._started = before, True
         if refusal is not None:
             raise BudgetExhausted(stop, f"{refusal} (after {self.steps_released} steps)")
@@ -272,26 +275,3 @@ class PrivateStep:
         except ChargeRefused as error:
             return error.details, error.stop, 0, self._released_before
         return None, None, chunk, self._released_before
-
-    def _broadcast_parameters(self) -> None:
-        if self.world_size > 1:
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                torch.distributed.broadcast(tensor.data, src=0)
-
-    def _all_reduce_sum(self, tensor: Tensor) -> None:
-        if self.world_size > 1:
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-
-    def _gather(self, value) -> list:
-        if self.world_size == 1:
-            return [value]
-        values = [None] * self.world_size
-        torch.distributed.all_gather_object(values, value)
-        return values
-
-    def _from_rank_0(self, value):
-        if self.world_size == 1:
-            return value
-        box = [value]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]

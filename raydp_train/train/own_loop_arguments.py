@@ -6,6 +6,7 @@ accept the same values), the noise, and sigma given or calibrated to a target ep
 from __future__ import annotations
 
 from pydantic import ValidationError
+from torch import nn
 
 from raydp_train.accounting.epsilon import calibrate_noise_multiplier
 from raydp_train.config.errors import describe
@@ -45,6 +46,24 @@ def check_numbers(clip_norm, noise_multiplier, target_epsilon, steps, expected_b
         (0 < delta < 1 / max(num_examples, 1),
          f"delta: must be in (0, 1/num_examples), got {delta}"),
         (max_physical_batch >= 1, f"max_physical_batch: must be >= 1, got {max_physical_batch}"),
+    ]
+    for holds, message in problems:
+        if not holds:
+            raise PrivateStepError(message)
+
+
+def check_objects(model, optimizer, loss, steps_per_charge) -> None:
+    """What the loop hands over besides numbers; one line for the first that is wrong."""
+    problems = [
+        (isinstance(model, nn.Module), (f"model: must be a torch.nn.Module, got "
+                                       f"{type(model).__name__}")),
+        (hasattr(optimizer, "param_groups") and hasattr(optimizer, "step"),
+         (f"optimizer: must be an optimizer over the model's parameters (a torch.optim one), "
+         f"got {type(optimizer).__name__}")),
+        (callable(loss), (f"loss: must be a function (model, *batch) -> per-example losses [B], "
+                         f"got {type(loss).__name__}")),
+        (steps_per_charge is None or (isinstance(steps_per_charge, int) and steps_per_charge > 0),
+         f"steps_per_charge: must be an int > 0 (or None: N // B), got {steps_per_charge!r}"),
     ]
     for holds, message in problems:
         if not holds:

@@ -5,7 +5,6 @@ optimizer's new parameters (DP-LoRA's adapters)."""
 
 from __future__ import annotations
 
-import torch
 from pyarrow import fs
 from torch import nn
 
@@ -13,12 +12,6 @@ from raydp_train.train.charges import Charged, ChargeLedger, MemoryCharges, RunA
 from raydp_train.train.own_loop_arguments import PrivateStepError
 
 RECORD_FOLDER = "private-step"  # under the Ray Train run's storage
-
-
-def rank_and_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def release_record(rank: int, record_dir: str | None) -> ChargeLedger | MemoryCharges:
