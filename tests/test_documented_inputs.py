@@ -122,7 +122,8 @@ def runs(files: Path, out: Path) -> dict[str, dict]:
                       "num_classes": 3},
             "privacy": {"target_epsilon": 8.0, "clip_norm": 1.0, "delta": 1e-4,
                         "mechanism": "dpsgd", "other_layers": "refuse"},
-            "training": {"epochs": 1, "batch_size": 30, "optimizer": "sgd", "momentum": 0.9,
+            "training": {"epochs": 1, "batch_size": 30, "optimizer": "SGD", "momentum": 0.9,
+                         "optimizer_options": {"foreach": True, "nesterov": True},
                          "lr": 0.05, "schedule": "linear", "warmup_fraction": 0.2,
                          "precision": "bf16"},
             "run": {"output_dir": str(out / "tensors"), "noise": "secure"},
@@ -188,7 +189,7 @@ def field_paths(value, prefix: str = "") -> set[str]:
             path = f"{prefix}{key}"
             if not prefix.endswith(("normalize.",)):
                 paths.add(path)
-            if key not in ("normalize", "config"):  # keyed by the user, not the schema
+            if key not in ("normalize", "config", "optimizer_options"):  # keyed by the user
                 paths |= field_paths(inner, f"{path}.")
     return paths
 

@@ -112,7 +112,8 @@ MALFORMED = {
         ["model.kind=rnn"], "model.kind: must be one of 'logistic', 'mlp', 'cnn', 'torch', 'hf', got 'rnn'"),
     "bad optimizer": (
         ["training.optimizer=lbfgs"],
-        "training.optimizer: must be one of 'sgd', 'adam', 'adamw', got 'lbfgs'"),
+        ("training.optimizer: 'lbfgs' is neither one of this package's (sgd, adam, adamw) nor a "
+        "torch.optim class")),
     "zero epochs": (["training.epochs=0"], "training.epochs: must be > 0, got 0"),
     "delta above one": (["privacy.delta=1.5"], "privacy.delta: must be < 1, got 1.5"),
     "zero hidden size": (

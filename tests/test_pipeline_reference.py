@@ -88,5 +88,5 @@ def test_the_page_is_written_with_tables_of_every_schema_field():
     assert hook.MARKER not in written
     assert tabled_fields(written) == schema_fields(Pipeline)
     assert "| `epochs` | int | `30` | > 0 |" in written  # type, default and bounds
-    assert "| `optimizer` | `sgd` \\| `adam` \\| `adamw` | `\"sgd\"` |  |" in written
+    assert "| `schedule` | `constant` \\| `linear` \\| `cosine` | `\"constant\"` |  |" in written
     assert hook.on_page_markdown("no marker") == "no marker"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from raydp_train.config.base import Section
 from raydp_train.config.errors import FieldProblem
+from raydp_train.config.optimizers import optimizer_problem
 from raydp_train.errors import UserError
 
 # The largest learning rate or weight decay: beyond it an update overflows float32 (inf
@@ -33,10 +34,14 @@ class TrainingConfig(Section):
     epochs: int = Field(30, gt=0)
     batch_size: int = Field(64, gt=0)  # expected logical batch under Poisson sampling
     max_physical_batch: int = Field(256, gt=0)  # memory cap; does not change the privacy math
-    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    # sgd, adam, adamw: this package's single-tensor loops (no torch optimizer import in the
+    # workers); or any torch.optim class by name (AdamW, RAdam, ...: config/optimizers.py)
+    optimizer: Annotated[str, Field(min_length=1)] = "sgd"
     lr: float = Field(0.1, gt=0, le=MAX_RATE)  # any trainable parameter no param_groups takes
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0, le=MAX_RATE)
+    # the optimizer's keyword arguments (foreach, fused, betas, eps, ...), not lr or weight decay
+    optimizer_options: dict[str, Any] = Field(default_factory=dict)
     param_groups: list[ParamGroup] = Field(default_factory=list)
     # Hugging Face `get_scheduler` names; the multiplier of every group's lr, stepped once per
     # logical (DP) step. `constant` with a warmup is HF's constant_with_warmup.
@@ -72,6 +77,13 @@ class TrainingConfig(Section):
             raise TrainingSetupError(f"training.warmup_steps: must be <= the run's {total_steps} "
                                      f"steps, got {warmup}")
         return warmup
+
+    @model_validator(mode="after")
+    def _known_optimizer(self) -> TrainingConfig:
+        problem = optimizer_problem(self.optimizer, self.optimizer_options, self.momentum)
+        if problem is not None:
+            raise FieldProblem(problem[1], problem[0])
+        return self
 
     @model_validator(mode="after")
     def _one_warmup(self) -> TrainingConfig:

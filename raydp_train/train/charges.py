@@ -181,10 +181,11 @@ class ChargeLedger:
 
 
 class MemoryCharges:
-    """The charges of an in-process run (world size 1, no run directory, no restarts)."""
+    """The charges of an in-process run (no run directory; `total`: what a restored state
+    says was charged before it)."""
 
-    def __init__(self):
-        self._total = Charged()
+    def __init__(self, total: Charged = Charged()):  # noqa: B008 -- an immutable tuple
+        self._total = total
 
     def charge(self, charge: Charged, request: str = "", epoch: int = 0,
                first_step: int = 0) -> Charged:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 
+from raydp_train.config.optimizers import OWN_OPTIMIZERS, keywords_of
 from raydp_train.config.training import TrainingSetupError
 from raydp_train.train.schedules import Schedule
 from raydp_train.train.updates import SGD, Adam, AdamW, Optimizer
@@ -63,9 +65,21 @@ def _group(params: list, lr: float | None, weight_decay: float | None, training)
             "weight_decay": training.weight_decay if weight_decay is None else weight_decay}
 
 
-def make_optimizer(model: nn.Module, training) -> Optimizer:
-    options = {"momentum": training.momentum} if training.optimizer == "sgd" else {}
-    return OPTIMIZERS[training.optimizer](parameter_groups(model, training), **options)
+def make_optimizer(model: nn.Module, training) -> Optimizer | torch.optim.Optimizer:
+    """The package's own loop (sgd, adam, adamw) or the named torch.optim class, with
+    training.optimizer_options; options torch refuses are one line naming the field."""
+    name, options = training.optimizer, dict(training.optimizer_options)
+    if "momentum" in keywords_of(name) and training.momentum:
+        options["momentum"] = training.momentum
+    groups = parameter_groups(model, training)
+    if name in OWN_OPTIMIZERS:
+        return OPTIMIZERS[name](groups, **options)
+    try:
+        return getattr(torch.optim, name)(groups, **options)
+    except (ValueError, TypeError, RuntimeError) as error:
+        message = " ".join(str(error).split())
+        raise TrainingSetupError(f"training.optimizer_options: torch.optim.{name} refused "
+                                 f"{options}: {message}") from None
 
 
 def make_schedule(optimizer: Optimizer, training, total_steps: int) -> Schedule:

@@ -1,20 +1,22 @@
-"""DP-SGD inside the user's own training loop (ARCHITECTURE.md §2.11): the engine of a
-pipeline run, one `PrivateStep` per worker of the user's `train_loop_per_worker`.
+"""A pipeline's private step inside the user's own training loop (ARCHITECTURE.md §2.11): one
+`PrivateStep` per worker of the user's `train_loop_per_worker`, with DP-SGD, LSG or DP-LoRA.
 
     private = rt.PrivateStep(model, optimizer, clip_norm=1.0, noise_multiplier=1.1,
                              expected_batch_size=256, num_examples=60_000, delta=1e-5,
                              budget=config["budget"], owner="my-loop")
+    rows = private.load_rows(ray.train.get_dataset_shard("train"))  # or a DataLoader
     for _ in range(steps):
-        rows = private.sample(len(my_shard))          # Poisson, q = B / N
-        private.step(features[rows], labels[rows])    # clip, noise (rank 0), all-reduce, step
-    private.finish()                                  # unused reserved steps go back
+        private.step(*private.sample(rows))   # Poisson, clip, noise (rank 0), all-reduce, step
+    private.finish()                          # unused reserved steps go back
 
 Each worker samples its own disjoint shard with the global q = B / N; every rank must call
 `step` the same number of times (the all-reduce is collective), even on an empty sample.
 Steps are reserved from the named global budget, one chunk at a time, by rank 0 before any of
-them is released; a refusal raises `BudgetExhausted` on every rank. Rank 0's parameters are
-broadcast at construction, so do not wrap the model in DDP (`prepare_model`): the engine
-all-reduces the clipped, noised sum itself.
+them is released; a refusal raises `BudgetExhausted` on every rank. Inside Ray Train, rank 0
+marks each step in a release log under the run's storage before releasing it, so after a
+restart `epsilon()` counts every step any attempt released (`state_dict` carries the rest).
+Rank 0's parameters are broadcast at construction, so do not wrap the model in DDP
+(`prepare_model`): the engine all-reduces the clipped, noised sum itself.
 """
 
 from __future__ import annotations
@@ -26,99 +28,188 @@ from typing import Self
 import torch
 from torch import Tensor, nn
 
-from raydp_train.config.privacy import SelfCheckConfig
-from raydp_train.errors import UserError
-from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sampling import poisson_sample, sampling_rate
-from raydp_train.train.charges import Charged, ChargeRefused, MemoryCharges, RunAccount
+from raydp_train.train import own_loop_rows as rows_
+from raydp_train.train.charges import Charged, ChargeRefused, RunAccount
 from raydp_train.train.engine_checks import EngineChecks
+from raydp_train.train.own_loop_arguments import (
+    PrivateStepError,
+    calibrated_sigma,
+    check_noise,
+    check_numbers,
+    check_objects,
+    privacy_settings,
+)
+from raydp_train.train.own_loop_state import (
+    check_saved,
+    count_restored,
+    new_parameters_to_optimizer,
+    release_record,
+)
+from raydp_train.train.own_loop_world import LoopWorld
 from raydp_train.train.plan import PrivacyPlan
-from raydp_train.train.step import cross_entropy_loss, private_step
-from raydp_train.train.stops import StopReason
+from raydp_train.train.step import private_step
+
+__all__ = ["BudgetExhausted", "PrivateStep", "PrivateStepError"]
 
 
 class BudgetExhausted(ChargeRefused):
-    """The global budget refused the next steps: none of them ran; stop the loop."""
-
-
-class PrivateStepError(UserError, ValueError):
-    """A PrivateStep argument out of range; the message names it."""
+    """The global budget, or the target epsilon, refused the next steps: none of them ran."""
 
 
 class PrivateStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 clip_norm: float, noise_multiplier: float, expected_batch_size: int,
-                 num_examples: int, delta: float, budget=None, owner: str = "own-loop",
-                 steps_per_charge: int | None = None, accountant: str = "rdp",
-                 loss: Callable[[nn.Module, Tensor, Tensor], Tensor] = cross_entropy_loss,
+                 clip_norm: float, expected_batch_size: int, num_examples: int, delta: float,
+                 noise_multiplier: float | None = None, target_epsilon: float | None = None,
+                 steps: int | None = None, mechanism: str = "dpsgd", lsg: dict | None = None,
+                 lora: dict | None = None, noise: str = "fast", budget=None,
+                 owner: str = "own-loop", steps_per_charge: int | None = None,
+                 accountant: str = "rdp", loss: Callable[..., Tensor] = rows_.inputs_then_labels,
                  max_physical_batch: int = 256, seed: int | None = None,
-                 self_check: dict | None = None, other_layers: str = "per_example"):
-        """`num_examples`: N of the WHOLE training set (every worker's shard); `budget`: a
-        `rt.open_budget(...)` handle made on the driver (None: nothing reserved, the steps
-        are only counted); `steps_per_charge`: steps reserved at a time (default one epoch,
-        N // B); `loss(model, features, labels)`: per-example losses [B]; `seed`: a
-        reproducible run, for tests only; `self_check`: privacy.self_check's fields (the
-        engine against one backward per example on the first step and a random 1% of the
-        others, as in a pipeline run: a loss or model that mixes examples is refused before
-        its noisy gradient is released); `other_layers`: privacy.other_layers (a module
-        without a rule: "per_example" by torch.func, or "refuse")."""
-        _check_arguments(clip_norm, noise_multiplier, expected_batch_size, num_examples, delta,
-                         max_physical_batch)
-        self.model, self.optimizer, self.loss = model, optimizer, loss
-        self.max_physical_batch = max_physical_batch
-        self.rank, self.world_size = _rank_and_world()
+                 self_check: dict | None = None, other_layers: str = "per_example",
+                 record_dir: str | None = None):
+        """`num_examples`: N of the WHOLE training set (every worker's shard); sigma is
+        `noise_multiplier`, or calibrated so that `steps` steps spend `target_epsilon` (the
+        loop may not pass it); `mechanism`: "dpsgd", "lsg" or "lora", with `lsg`/`lora` the
+        settings of privacy.lsg / privacy.lora (DP-LoRA's adapters join `optimizer` as a
+        new parameter group); `noise`: run.noise ("secure": AES-CTR, Holohan-Braghin);
+        `budget`: a `rt.open_budget(...)` handle made on the driver (None: nothing reserved);
+        `steps_per_charge`: steps reserved at a time (default N // B); `loss(model, *batch)`:
+        per-example losses [B] (default: cross-entropy of model(*inputs) against the last
+        tensor); `seed`: reproducible noise and sampling, for tests only; `self_check`:
+        privacy.self_check's fields; `other_layers`: privacy.other_layers; `record_dir`: where
+        rank 0 marks each release before it happens (default: the Ray Train run's storage,
+        when local; outside Ray Train, nothing: a single process has no restart)."""
+        check_numbers(clip_norm, noise_multiplier, target_epsilon, steps, expected_batch_size,
+                      num_examples, delta, max_physical_batch)
+        check_objects(model, optimizer, loss, steps_per_charge)
+        check_noise(noise, seed)
+        privacy, chosen = privacy_settings(
+            mechanism, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon, delta=delta, accountant=accountant, lsg=lsg,
+            lora=lora, self_check=self_check, other_layers=other_layers)
+        self.world = LoopWorld()
+        self.rank = self.world.rank
         rate = sampling_rate(expected_batch_size, num_examples)
-        self.plan = PrivacyPlan(num_examples, expected_batch_size, rate, 0, noise_multiplier,
-                                False, clip_norm, delta, accountant)
+        sigma = noise_multiplier or self._calibrated(target_epsilon, delta, rate, steps,
+                                                     accountant)
+        self.plan = PrivacyPlan(num_examples, expected_batch_size, rate, steps or 0, sigma,
+                                noise_multiplier is None, clip_norm, delta, accountant,
+                                mechanism=chosen)
+        self.model, self.optimizer, self.loss, self.seed = model, optimizer, loss, seed
+        self.max_physical_batch = max_physical_batch
         self.steps_per_charge = steps_per_charge or max(1, num_examples // expected_batch_size)
-        self.account = RunAccount(MemoryCharges(), budget, owner, self.plan)
+        self.account = RunAccount(release_record(self.rank, record_dir), budget, owner,
+                                  self.plan, epsilon_cap=target_epsilon)
         self.steps_done, self._finished = 0, False
-        self._granted = 0  # steps reserved so far; steps_done never passes it
-        self._last_chunk = 0  # steps of the newest reservation
-        self._broadcast_parameters()
-        self.clipper = PerExampleClipper(model, clip_norm, other_layers=other_layers)
-        device = self.clipper.flat_grad.device
-        self._noise, _ = make_noise_generator("fast", seed, device)
-        self._sampling, _ = make_generator(None if seed is None else seed + 1 + self.rank)
-        # Rank 0 alone draws: ONE draw of std sigma*C per step for the whole world.
-        self._noise_std = noise_multiplier * clip_norm if self.rank == 0 else 0.0
-        shared_seed = self._from_rank_0(int.from_bytes(os.urandom(8), "little")
+        self._taken = 0  # steps this process released
+        self._released_before = 0  # steps released before this process (earlier attempts)
+        self._granted, self._last_chunk = 0, 0  # steps reserved so far; of the newest chunk
+        self._started = False  # this process has reserved (and learnt what came before)
+        self._attach(privacy, chosen, model, optimizer, seed, noise)
+
+    def _attach(self, privacy, chosen, model, optimizer, seed, noise) -> None:
+        """Rank 0's parameters everywhere, the mechanism's engine (its randomness shared by
+        every rank), the noise (rank 0 alone draws it) and this rank's sampler."""
+        self.world.broadcast_parameters(self.model)
+        shared_seed = self.world.from_rank_0(int.from_bytes(os.urandom(8), "little")
                                         if seed is None else seed)
-        self._checks = EngineChecks(SelfCheckConfig(**(self_check or {})), shared_seed,
-                                    self._gather)
+        self.mechanism = chosen(privacy, torch.Generator().manual_seed(shared_seed))
+        self.clipper = self.mechanism.attach(model, self.plan.clip_norm)
+        new_parameters_to_optimizer(model, optimizer)  # DP-LoRA's adapters
+        device = self.clipper.flat_grad.device
+        self._noise, self.noise_mode = make_noise_generator(noise, seed, device)
+        self._noise_std = (self.mechanism.noise_std(self.plan.noise_multiplier,
+                                                    self.plan.clip_norm)
+                           if self.rank == 0 else 0.0)
+        self._sampling, _ = make_generator(None)
+        self._checks = EngineChecks(privacy.self_check, shared_seed + 1, self.world.gather)
 
-    def sample(self, local_rows: int) -> Tensor:
-        """Indices of this worker's rows in the next logical batch: each of its `local_rows`
-        joins independently with probability q = B / N (may be none)."""
-        return poisson_sample(local_rows, self.plan.sampling_rate, self._sampling)
+    @property
+    def noise_multiplier(self) -> float:
+        """sigma: as given, or calibrated to `target_epsilon`."""
+        return self.plan.noise_multiplier
 
-    def step(self, features: Tensor, labels: Tensor) -> float:
-        """One DP-SGD step on this worker's sampled rows (empty is fine): per-example clipping,
-        the one noise draw (rank 0), the all-reduce, / B, optimizer.step(). Reserves the next
-        steps first when those granted are used up. Returns the rows' summed loss (local, not
-        released)."""
+    @property
+    def steps_released(self) -> int:
+        """Every noisy step released so far, by this process and the attempts before it
+        (repeated steps after a restart count again: they were released again)."""
+        return self._released_before + self._taken
+
+    @staticmethod
+    def load_rows(source) -> object:
+        """This worker's rows in memory, from a Ray Data shard or a DataLoader-like iterable
+        of batches (tensors, tuples or dicts of tensors), to `sample` from every step."""
+        return rows_.load_rows(source)
+
+    def sample(self, rows):
+        """This worker's part of the next logical batch: each of its rows joins independently
+        with probability q = B / N (may be none). `rows`: a count (the indices come back) or
+        the rows themselves (a tensor, tuple or dict; the sampled rows come back, laid out
+        alike)."""
+        count = rows if isinstance(rows, int) else rows_.row_count(rows, "sample")
+        indices = poisson_sample(count, self.plan.sampling_rate, self._sampler())
+        return indices if isinstance(rows, int) else rows_.take(rows, indices)
+
+    def step(self, *batch) -> float:
+        """One private step on this worker's sampled rows (empty is fine): per-example
+        clipping, the one noise draw (rank 0), the all-reduce, / B, optimizer.step().
+        `batch` is what `loss(model, *batch)` takes: (features, labels), (inputs..., labels),
+        or one dict. Reserves the next steps first when those granted are used up. Returns
+        the rows' summed loss (local, not released)."""
         if self._finished:
-            raise PrivateStepError("PrivateStep.step after finish(): its reserved steps were "
-                                   "settled and its engine detached; make a new PrivateStep")
+            raise PrivateStepError("step after finish(): its reserved steps were settled and "
+                                   "its engine detached; make a new PrivateStep")
+        rows_.row_count(batch[0] if len(batch) == 1 else batch, "step")
+        if self.loss is rows_.inputs_then_labels:
+            rows_.check_default_loss(batch)
+        layout, micro_batches = rows_.flat_micro_batches(batch, self.max_physical_batch)
         if self.steps_done == self._granted:
             self._reserve()
-        batches = zip(features.split(self.max_physical_batch),
-                      labels.split(self.max_physical_batch), strict=True)
-        stats = private_step(self.model, self.clipper, self.optimizer, batches, self.loss,
-                             self._noise_std, self.plan.expected_batch_size, self._noise,
-                             self._all_reduce_sum, engine_checks=self._checks)
+        self.mechanism.refresh(self.steps_done, self._epoch())
+        self.account.releasing_step(self.steps_done)  # on record before it can leave
+        stats = private_step(self.model, self.clipper, self.optimizer, micro_batches,
+                             rows_.on_layout(self.loss, layout), self._noise_std,
+                             self.plan.expected_batch_size, self._noise, self.world.all_reduce_sum,
+                             self.mechanism, engine_checks=self._checks)
         self.steps_done += 1
+        self._taken += 1
         return stats.loss_sum
 
     def epsilon(self, accountant: str | None = None) -> float:
-        """Epsilon of the steps taken so far, at `delta` (`accountant`: "rdp" or "pld")."""
-        return self.plan.epsilon(self.steps_done, accountant, releases=0)
+        """Epsilon of every step released so far (`steps_released`), at `delta`
+        (`accountant`: "rdp" or "pld")."""
+        return self.plan.epsilon(self.steps_released, accountant, releases=0)
+
+    def state_dict(self) -> dict:
+        """What a restarted worker continues from: the model (DP-LoRA's adapters included)
+        and optimizer, the steps taken and released, and the plan they were accounted by."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "steps_done": self.steps_done, "steps_released": self.steps_released,
+                "plan": self._plan_terms()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` (this loop's `state_dict()`, e.g. from a Ray Train
+        checkpoint), before the first step: the step count goes on, the released steps stay
+        counted, LSG's carriers follow the restored weights. The sampler draws afresh: the
+        repeated steps' samples must be new for the accountant's composition to hold."""
+        if self._taken:
+            raise PrivateStepError("load_state_dict after step(): load the saved state right "
+                                   "after building the PrivateStep, before its first step")
+        check_saved(state, self._plan_terms())
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_done = self._granted = state["steps_done"]
+        self._released_before = state["steps_released"]
+        count_restored(self.account, Charged(state["steps_released"]))
+        self.mechanism.refresh(self.steps_done, self._epoch(), force=True)
 
     def finish(self) -> None:
         """Give the reserved steps that were not taken back to the budget; detach the engine."""
         used_of_last = self.steps_done - (self._granted - self._last_chunk)
         self.account.settle(Charged(used_of_last))
+        self.account.record.close()
         self.clipper.close()
         self._finished = True
 
@@ -128,65 +219,59 @@ class PrivateStep:
     def __exit__(self, *_) -> None:
         self.finish()
 
-    def _reserve(self) -> None:
-        """Rank 0 settles the used chunk and reserves the next; every rank obeys its answer."""
-        refusal = None
+    def _plan_terms(self) -> dict:
+        plan = self.plan
+        return {"mechanism": plan.mechanism.name, "num_examples": plan.num_examples,
+                "expected_batch_size": plan.expected_batch_size,
+                "noise_multiplier": plan.noise_multiplier, "clip_norm": plan.clip_norm,
+                "delta": plan.delta}
+
+    def _epoch(self) -> int:
+        """The epoch the next step is in (LSG's sparsity_start_epoch), from 1."""
+        return 1 + self.steps_done * self.plan.expected_batch_size // self.plan.num_examples
+
+    def _sampler(self) -> torch.Generator:
+        """This rank's sampler: a seeded run's is a function of (seed, rank, step), so a
+        restart draws what an uninterrupted run would; otherwise fresh from os.urandom."""
+        if self.seed is None:
+            return self._sampling
+        return self._sampling.manual_seed(
+            self.seed + 1 + self.rank + self.world.size * self.steps_done)
+
+    def _calibrated(self, target_epsilon, delta, rate, steps, accountant) -> float:
+        """Rank 0 calibrates (dp-accounting), every rank gets its sigma or its refusal."""
+        answer = None
         if self.rank == 0:
-            self.account.settle(Charged(self._last_chunk))
             try:
-                self.account.charge(Charged(self.steps_per_charge))
-            except ChargeRefused as error:
-                refusal = error.details
-        refusal = self._from_rank_0(refusal)
+                answer = calibrated_sigma(target_epsilon, delta, rate, steps, accountant)
+            except PrivateStepError as error:
+                answer = str(error)
+        answer = self.world.from_rank_0(answer)
+        if isinstance(answer, str):
+            raise PrivateStepError(answer.removeprefix("PrivateStep "))
+        return answer
+
+    def _reserve(self) -> None:
+        """Rank 0 settles the used chunk and reserves the next; every rank obeys its answer
+        and learns the steps earlier attempts released."""
+        answer = self._charge_next() if self.rank == 0 else None
+        refusal, stop, chunk, before = self.world.from_rank_0(answer)
+        self._released_before, self._started = before, True
         if refusal is not None:
-            raise BudgetExhausted(StopReason.BUDGET_EXHAUSTED,
-                                  f"{refusal} (after {self.steps_done} steps)")
-        self._granted += self.steps_per_charge
-        self._last_chunk = self.steps_per_charge
+            raise BudgetExhausted(stop, f"{refusal} (after {self.steps_released} steps)")
+        self._granted, self._last_chunk = self._granted + chunk, chunk
 
-    def _broadcast_parameters(self) -> None:
-        if self.world_size > 1:
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                torch.distributed.broadcast(tensor.data, src=0)
-
-    def _all_reduce_sum(self, tensor: Tensor) -> None:
-        if self.world_size > 1:
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-
-    def _gather(self, value) -> list:
-        if self.world_size == 1:
-            return [value]
-        values = [None] * self.world_size
-        torch.distributed.all_gather_object(values, value)
-        return values
-
-    def _from_rank_0(self, value):
-        if self.world_size == 1:
-            return value
-        box = [value]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _check_arguments(clip_norm, noise_multiplier, expected_batch_size, num_examples, delta,
-                     max_physical_batch) -> None:
-    problems = [
-        (clip_norm > 0, f"clip_norm: must be > 0, got {clip_norm}"),
-        (noise_multiplier > 0,
-         f"noise_multiplier: must be > 0 (a private step adds noise), got {noise_multiplier}"),
-        (0 < expected_batch_size <= num_examples,
-         f"expected_batch_size: must be in [1, num_examples = {num_examples}], got "
-         + str(expected_batch_size)),
-        (0 < delta < 1 / max(num_examples, 1),
-         f"delta: must be in (0, 1/num_examples), got {delta}"),
-        (max_physical_batch >= 1, f"max_physical_batch: must be >= 1, got {max_physical_batch}"),
-    ]
-    for holds, message in problems:
-        if not holds:
-            raise PrivateStepError(f"PrivateStep {message}")
+    def _charge_next(self) -> tuple:
+        """(refusal, its stop reason, the chunk granted, the steps released before this
+        process), decided on rank 0."""
+        if not self._started:  # this process's first charge: what did earlier ones release?
+            self.account.record.resumed_at(self.steps_done)
+            self._released_before = max(self._released_before, self.account.total().steps)
+        self.account.settle(Charged(self._last_chunk))
+        planned = self.plan.steps - self.account.total().steps
+        chunk = min(self.steps_per_charge, planned) if planned > 0 else self.steps_per_charge
+        try:
+            self.account.charge(Charged(chunk), first_step=self.steps_done)
+        except ChargeRefused as error:
+            return error.details, error.stop, 0, self._released_before
+        return None, None, chunk, self._released_before

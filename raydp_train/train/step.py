@@ -39,7 +39,7 @@ def private_step(
     model: nn.Module,
     clipper: PerExampleClipper,
     optimizer: Optimizer | torch.optim.Optimizer,  # ours (updates.py) or a user's own
-    micro_batches: Iterable[tuple[Tensor, Tensor]],
+    micro_batches: Iterable[tuple],  # each the loss's arguments after the model
     per_example_loss: LossFn,
     noise_std: float,
     expected_batch_size: float,
@@ -51,6 +51,8 @@ def private_step(
 ) -> StepStats:
     """g^ = (N(0, noise_std^2 I) + sum_w sum_{i in S_w} clip(g_i)) / (q N).
 
+    Each micro-batch is the tuple of `per_example_loss`'s arguments after the model (a
+    pipeline's (features, labels); a user's own loop may pass more, e.g. two inputs and labels).
     With W workers only rank 0 passes noise_std > 0; the one all-reduce sums the local
     clipped sums and that single draw. An empty local sample still joins the collective.
     The mechanism (the one that attached `clipper`) says what of the buffer is reduced and
@@ -66,14 +68,14 @@ def private_step(
     fill_gaussian_noise_(clipper.bind_grads(), noise_std, noise_generator)
     check_due = engine_checks is not None and engine_checks.due(clipper)
     loss_sum, count = 0.0, 0
-    for features, labels in micro_batches:
+    for batch in micro_batches:
         if check_due:  # the check's full pass is this micro-batch's clipped sum
-            stats = engine_checks.run(clipper, compute_losses, (model, features, labels))
+            stats = engine_checks.run(clipper, compute_losses, (model, *batch))
             check_due = False
         else:
-            stats = clipper.accumulate(compute_losses, model, features, labels)
+            stats = clipper.accumulate(compute_losses, model, *batch)
         loss_sum += stats.losses.sum().item()
-        count += labels.shape[0]
+        count += stats.losses.shape[0]
     if check_due:  # this rank sampled nothing, but joins the other ranks' verdict
         engine_checks.run(clipper, compute_losses, None)
     # One sum tells: a NaN or inf anywhere makes it non-finite (clipped sums cannot overflow).
@@ -101,9 +103,9 @@ def in_precision(per_example_loss: LossFn, precision: Precision, device_type: st
     if dtype is None:
         return per_example_loss
 
-    def autocast_loss(model: nn.Module, features: Tensor, labels: Tensor) -> Tensor:
+    def autocast_loss(model: nn.Module, *batch) -> Tensor:
         with torch.autocast(device_type=device_type, dtype=dtype):
-            return per_example_loss(model, features, labels).float()
+            return per_example_loss(model, *batch).float()
 
     return autocast_loss
 
