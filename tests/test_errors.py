@@ -10,9 +10,11 @@ import pytest
 import raydp_train
 from raydp_train.config.errors import PipelineError
 from raydp_train.errors import UserError
+from raydp_train.train.own_loop_arguments import PrivateStepError
 
 # Errors whose constructor takes more than one message, and an example of their arguments.
-CONSTRUCTED = {PipelineError: ("pipeline.yaml", ("training.lr: must be > 0, got -1",))}
+CONSTRUCTED = {PipelineError: ("pipeline.yaml", ("training.lr: must be > 0, got -1",)),
+               PrivateStepError: ("clip_norm: must be > 0, got 0",)}
 
 
 def user_errors() -> list[type[UserError]]:

@@ -21,7 +21,9 @@ class PrivateStepError(UserError, ValueError):
     """A PrivateStep argument out of range; the message names it and what would be right."""
 
     def __init__(self, message: str):
-        super().__init__(f"PrivateStep {message}")
+        # Unpickled (Ray sends it from a worker), it gets its prefixed message back.
+        prefixed = message.startswith("PrivateStep ")
+        super().__init__(message if prefixed else f"PrivateStep {message}")
 
 
 def check_numbers(clip_norm, noise_multiplier, target_epsilon, steps, expected_batch_size,
