@@ -259,8 +259,13 @@ def _charged_or_kept(case: Case) -> str:
 
 
 def _run_cli(argv: list[str], seconds: int) -> Outcome:
+    import torch  # noqa: F401 -- before the alarm: see below
+
     from raydp_train.commands.cli import main
 
+    # torch is imported before any case's alarm is armed: its cold import alone can take over
+    # SECONDS on a loaded 2-core machine, and an alarm inside it leaves a half-imported torch
+    # that fails every later case ("module 'torch' has no attribute 'cuda'").
     output = io.StringIO()
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(seconds)
