@@ -71,7 +71,7 @@ class PrivateStep:
                  record_dir: str | None = None):
         """`num_examples`: N of the WHOLE training set (every worker's shard); sigma is
         `noise_multiplier`, or calibrated so that `steps` steps spend `target_epsilon` (the
-        loop may not pass it); `mechanism`: "dpsgd", "lsg" or "lora", with `lsg`/`lora` the
+        loop may not pass it); `mechanism`: a private mechanism's name (dpsgd, lsg, lora), with `lsg`/`lora` the
         settings of privacy.lsg / privacy.lora (DP-LoRA's adapters join `optimizer` as a
         new parameter group); `noise`: run.noise ("secure": AES-CTR, Holohan-Braghin);
         `budget`: a `rt.open_budget(...)` handle made on the driver (None: nothing reserved);

@@ -92,14 +92,15 @@ def privacy_settings(mechanism: str, *, clip_norm: float, noise_multiplier: floa
         private = sorted(name for name, cls in MECHANISMS.items() if cls.private)
         raise PrivateStepError(f"mechanism: must be one of {', '.join(map(repr, private))} "
                                f"(a private step clips and adds noise), got {mechanism!r}")
-    for name, given in (("lsg", lsg), ("lora", lora)):
+    # A mechanism's own settings, by keyword: no mechanism is named outside the registry.
+    for name, given in dict(lsg=lsg, lora=lora).items():  # noqa: C408
         if given is not None and name != mechanism:
             raise PrivateStepError(f"{name}: only with mechanism={name!r} (its settings), got "
                                    f"mechanism={mechanism!r}")
-    fields = {"mechanism": mechanism, "clip_norm": clip_norm, "delta": delta,
-              "noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon,
-              "accountant": accountant, "other_layers": other_layers,
-              "self_check": self_check or {}, "lsg": lsg, "lora": lora}
+    fields = dict(mechanism=mechanism,  # noqa: C408 (as above) clip_norm=clip_norm, delta=delta,
+                  noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+                  accountant=accountant, other_layers=other_layers,
+                  self_check=self_check or {}, lsg=lsg, lora=lora)
     try:
         return PrivacyConfig(**{k: v for k, v in fields.items() if v is not None}), chosen
     except ValidationError as error:
