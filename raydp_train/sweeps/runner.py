@@ -30,6 +30,7 @@ from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_d
 from raydp_train.config.sweep import WHOLE_NUMBERS
 from raydp_train.runs.worker_errors import user_error_in
 from raydp_train.sweeps.best_alone import best_alone
+from raydp_train.sweeps.search import search_algorithm
 from raydp_train.sweeps.spending import (
     check_search_space,
     draw_trial_count_of,
@@ -126,7 +127,7 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
         tune.with_resources(trainable, {"cpu": cpus}),
         param_space=param_space(config),
         tune_config=tune.TuneConfig(
-            num_samples=num_samples, search_alg=sampler(pipeline),
+            num_samples=num_samples, search_alg=search_algorithm(pipeline),
             scheduler=_scheduler(pipeline), time_budget_s=config.time_budget_s,
             # The next trial runs in a finished one's process: no new process, no imports
             # (digits trials: ~5 s each before). Each trial builds all it uses anew.
@@ -173,17 +174,6 @@ def _progress_printer(on_line, pipeline: Pipeline):
                         f"(trial epsilon {result['epsilon']:.3f})")
 
     return ProgressPrinter()
-
-
-def sampler(pipeline: Pipeline):
-    """Tune's random search over the search space, at most `tune.max_concurrent_trials` trials
-    at once. With `run.seed` it draws the same configurations on every run of the sweep, as
-    the seed repeats each trial's training; without, new ones each time."""
-    from ray.tune.search.basic_variant import BasicVariantGenerator
-
-    # The limit goes here: TuneConfig's max_concurrent_trials is ignored beside a search_alg.
-    return BasicVariantGenerator(max_concurrent=pipeline.tune.max_concurrent_trials,
-                                 random_state=pipeline.run.seed)
 
 
 def param_space(config) -> dict:
