@@ -1,8 +1,7 @@
 """The configurations a sweep's search algorithm draws, by Ray Tune's own generator without
 running a trial (no Ray needed): the oracle for what a seeded sweep must run."""
 
-from raydp_train.sweeps.runner import param_space
-from raydp_train.sweeps.search import search_algorithm
+from raydp_train.sweeps.search import param_space, search_algorithm
 
 
 def drawn(pipeline, score: float = 0.5) -> list[dict]:

@@ -45,8 +45,6 @@ def _error(*overrides: str) -> str:
      "searching privacy.lsg fields needs privacy.mechanism: lsg"),
     (["privacy.noise_multiplier=null", "privacy.target_epsilon=3"],
      "searching privacy.noise_multiplier needs privacy.noise_multiplier set"),
-    (["tune.scheduler=asha", "training.workers=2"],
-     "tune.scheduler: asha stops trials part-way, and a trial of 2 workers does not end"),
     (["tune.selection=random_stopping"], "tune.random_stopping: required with selection"),
     (["tune.random_stopping={mean_trials: 4}"], "only allowed with selection: random_stopping"),
     (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",

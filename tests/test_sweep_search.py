@@ -1,4 +1,4 @@
-"""Every search algorithm runs a small sweep on one budget (local Ray): the epsilon
+"""Every search algorithm and scheduler runs a small sweep on one budget (local Ray): the epsilon
 the budget counts is dp-accounting's composition, called here directly, of every step and
 release its ledger charged, and it never exceeds the budget."""
 
@@ -80,3 +80,33 @@ def test_each_search_algorithm_spends_from_one_budget(ray_session, tmp_path, sea
     trained = [t for t in trials if t["epochs"]]
     assert len([r for r in rows if r["kind"] == "reserve"]) == len(trained)
 
+
+
+def charged_requests(directory) -> dict[str, set[str]]:
+    """The budget requests each trial's Ray Train runs recorded before their epochs (their
+    write-ahead charge files), by trial."""
+    requests: dict[str, set[str]] = {}
+    for charge in directory.glob("train/*/charges/*.json"):
+        trial = charge.parent.parent.name.split("-")[0]
+        requests.setdefault(trial, set()).add(json.loads(charge.read_text())["request"])
+    return requests
+
+
+def test_asha_stops_a_two_worker_trial_and_its_run_ends_there(ray_session, tmp_path):
+    """ASHA stops the second trial (lr 1e-4) at its first rung, behind the first (lr 0.03): its
+    Ray Train run stops before charging the epoch after the one in flight (it ran to the end
+    before), the sweep goes on, and the budget holds exactly what the runs charged."""
+    summary, trials, rows = sweep(
+        tmp_path, "asha-workers", "training.workers=2", "training.epochs=3",
+        "tune.scheduler=asha", "tune.search=grid", "tune.num_samples=1",
+        "tune.search_space={training.lr: {grid: [0.03, 0.0001]}}")
+    stops = {t["training.lr"]: (t["stop_reason"], t["epochs"]) for t in trials}
+    assert stops == {0.03: ("completed", 3), 0.0001: ("stopped by scheduler", 1)}, trials
+    assert summary["best"]["training.lr"] == 0.03
+    requests = charged_requests(next((tmp_path / "runs").glob("sweep-*")))
+    reserved = {r["request_id"] for r in rows if r["kind"] == "reserve"}
+    trial_of = {t["training.lr"]: t["trial"] for t in trials}
+    assert reserved <= set().union(*requests.values())  # nothing no run charged
+    assert len(requests[trial_of[0.03]] & reserved) == 3
+    # Its first epoch, and at most the one in flight when ASHA stopped it.
+    assert 1 <= len(requests[trial_of[0.0001]] & reserved) <= 2

@@ -27,15 +27,13 @@ from pathlib import Path
 from raydp_train.budget.ledger import as_uri
 from raydp_train.checks.preflight import check_pipeline
 from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
-from raydp_train.config.sweep import WHOLE_NUMBERS
 from raydp_train.runs.worker_errors import user_error_in
 from raydp_train.sweeps.best_alone import best_alone
-from raydp_train.sweeps.search import search_algorithm
+from raydp_train.sweeps.search import param_space, scheduler, search_algorithm
 from raydp_train.sweeps.spending import (
     check_search_space,
     draw_trial_count_of,
     first_refusal,
-    most_epochs,
     random_stopping_spend,
 )
 from raydp_train.sweeps.trial import MODELS, run_trial
@@ -128,10 +126,12 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
         param_space=param_space(config),
         tune_config=tune.TuneConfig(
             num_samples=num_samples, search_alg=search_algorithm(pipeline),
-            scheduler=_scheduler(pipeline), time_budget_s=config.time_budget_s,
+            scheduler=scheduler(pipeline), time_budget_s=config.time_budget_s,
             # The next trial runs in a finished one's process: no new process, no imports
-            # (digits trials: ~5 s each before). Each trial builds all it uses anew.
-            reuse_actors=True),
+            # (digits trials: ~5 s each before). Each trial builds all it uses anew. Not a
+            # trial of several workers: one Tune stopped is still ending its Ray Train run
+            # when Tune would reuse its process, and Tune then fails the next trial.
+            reuse_actors=pipeline.training.workers == 1),
         # Under random stopping no trial's progress is shown: it would release every trial.
         run_config=tune.RunConfig(storage_path=str(directory.resolve()), name="trials", verbose=0,
                                   callbacks=[] if trial_budget is None else [
@@ -174,28 +174,6 @@ def _progress_printer(on_line, pipeline: Pipeline):
                         f"(trial epsilon {result['epsilon']:.3f})")
 
     return ProgressPrinter()
-
-
-def param_space(config) -> dict:
-    from ray import tune
-
-    make = {"choice": tune.choice, "grid": tune.grid_search,
-            "uniform": lambda b: tune.uniform(*b), "loguniform": lambda b: tune.loguniform(*b)}
-    return {key: make[d.kind]([int(v) for v in d.values()] if key in WHOLE_NUMBERS
-                              else getattr(d, d.kind))
-            for key, d in config.search_space.items()}
-
-
-def _scheduler(pipeline: Pipeline):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
-    config = pipeline.tune
-    if config.scheduler == "fifo":
-        return FIFOScheduler()
-    return ASHAScheduler(
-        time_attr="epoch", metric=config.metric, mode=config.mode,
-        max_t=most_epochs(pipeline), grace_period=config.asha.grace_period,
-        reduction_factor=config.asha.reduction_factor)
 
 
 def _trial_row(result, config) -> dict:

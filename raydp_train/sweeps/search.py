@@ -1,5 +1,6 @@
 """Which configuration each trial of a sweep runs (`tune.search`), through Ray Tune's own search
-algorithms, seeded by `run.seed`; and whether the package an adaptive one needs is installed.
+algorithms, seeded by `run.seed`; whether the package an adaptive one needs is installed; and
+which trials Tune stops or changes on the way (`tune.scheduler`).
 
 `random` and `grid` draw every trial up front (Tune's BasicVariantGenerator); `optuna`,
 `hyperopt` and `bayesopt` choose each trial from the released validation metric of the trials
@@ -14,6 +15,7 @@ import importlib.util
 import math
 
 from raydp_train.config.pipeline import Pipeline
+from raydp_train.config.sweep import WHOLE_NUMBERS
 from raydp_train.config.training import TrainingSetupError
 
 EXTRA = "search"  # pyproject.toml's extra with the adaptive searchers' packages
@@ -72,3 +74,32 @@ def _skipping_unscored(searcher, max_concurrent: int):
             super().on_trial_complete(trial_id, result, error or unscored)
 
     return SkipsUnscored(searcher, max_concurrent=max_concurrent)
+
+
+def scheduler(pipeline: Pipeline):
+    """Tune's trial scheduler: FIFO, or ASHA (stops trials behind at each rung)."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    config = pipeline.tune
+    if config.scheduler == "fifo":
+        return FIFOScheduler()
+    return ASHAScheduler(
+        time_attr="epoch", metric=config.metric, mode=config.mode,
+        max_t=most_epochs(pipeline), grace_period=config.asha.grace_period,
+        reduction_factor=config.asha.reduction_factor)
+
+
+def param_space(config) -> dict:
+    from ray import tune
+
+    make = {"choice": tune.choice, "grid": tune.grid_search,
+            "uniform": lambda b: tune.uniform(*b), "loguniform": lambda b: tune.loguniform(*b)}
+    return {key: make[d.kind]([int(v) for v in d.values()] if key in WHOLE_NUMBERS
+                              else getattr(d, d.kind))
+            for key, d in config.search_space.items()}
+
+
+def most_epochs(pipeline: Pipeline) -> int:
+    """The most epochs any trial runs."""
+    searched = pipeline.tune.search_space.get("training.epochs")
+    return max(int(v) for v in searched.values()) if searched else pipeline.training.epochs

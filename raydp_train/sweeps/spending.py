@@ -84,12 +84,6 @@ def _trial_plan(pipeline: Pipeline, plan, overrides: list[str]):
     return make_plan(candidate, plan.num_examples)
 
 
-def most_epochs(pipeline: Pipeline) -> int:
-    """The most epochs any trial runs."""
-    searched = pipeline.tune.search_space.get("training.epochs")
-    return max(int(v) for v in searched.values()) if searched else pipeline.training.epochs
-
-
 def random_stopping_spend(pipeline: Pipeline, plan) -> Spend:
     """The whole random-stopping sweep as one reservation: RepeatAndSelect of the costliest
     trial."""

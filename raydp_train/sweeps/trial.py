@@ -49,10 +49,13 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
                                sharing=pipeline.tune.max_concurrent_trials)
         result = train(pipeline, plan, context, dataset=dataset)
     else:
-        result = fit(pipeline, plan, Path(directory) / "train" / trial_id, on_epoch=lambda r: None,
-                     budget=budget, owner=owner, callbacks=[_reports_but_the_last(plan.epochs)],
-                     dataset=dataset, ceiling=ceiling,
+        run_dir = Path(directory) / "train" / trial_id
+        to_tune = EpochsToTune(plan.epochs, run_dir)
+        result = fit(pipeline, plan, run_dir, on_epoch=to_tune.report, budget=budget,
+                     owner=owner, dataset=dataset, ceiling=ceiling,
                      concurrent_runs=pipeline.tune.max_concurrent_trials)
+        if to_tune.stopped:  # by Tune (ASHA): nothing reads this trial's reports any more
+            return
     # The last epoch reaches Tune only here, after the model is saved: ASHA stops a trial on
     # its report at max_t, which ended the trial before the save (no best model, and every
     # trial that trained to the end shown "stopped by scheduler").
@@ -65,16 +68,31 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
                  "steps_charged": result.steps_charged})
 
 
-def _reports_but_the_last(last_epoch: int):
-    """Ray Train's epoch reports to Tune, all but the last epoch's (see run_trial)."""
-    from ray.tune.integration.ray_train import TuneReportCallback
+class EpochsToTune:
+    """Rank 0's epoch rows of a trial's Ray Train run, as the trial's own thread reads them
+    (train/trainer.py), reported to Tune: all but the last (see run_trial).
 
-    class ReportsButTheLast(TuneReportCallback):
-        def after_report(self, run_context, metrics, checkpoint):
-            if metrics[0].get("epoch") != last_epoch:
-                super().after_report(run_context, metrics, checkpoint)
+    Tune stops a trial (ASHA) by a flag its reporting thread sees when its report returns: the
+    report raises SystemExit there. The workers are then asked to stop before their next
+    epoch, so the run ends and frees its workers, and nothing is reported again (no one would
+    read it). Before, the Ray Train run reported through Tune's one-slot queue, which no one
+    read once the trial was stopped: the run blocked on it for ever, holding its workers."""
 
-    return ReportsButTheLast()
+    def __init__(self, last_epoch: int, run_dir: Path):
+        self.last_epoch, self.run_dir, self.stopped = last_epoch, run_dir, False
+
+    def report(self, row: dict) -> None:
+        from ray import tune
+
+        from raydp_train.train.context import request_stop
+
+        if self.stopped or row["epoch"] == self.last_epoch:
+            return
+        try:
+            tune.report({**row, "stop": StopReason.RUNNING.value})
+        except SystemExit:
+            self.stopped = True
+            request_stop(self.run_dir)
 
 
 def _save_trial_model(directory: Path, trial_id: str, pipeline: Pipeline, plan, result) -> None:
