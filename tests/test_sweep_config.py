@@ -69,6 +69,16 @@ def _error(*overrides: str) -> str:
                                 "chooses each trial from earlier trials' results (adaptive "
                                 "choices are not covered): use search: random, or selection: "
                                 "composition")),
+    (["tune.scheduler=pbt", "tune.search=optuna"],
+     ("tune.scheduler: scheduler: pbt explores by mutating running trials; it does not take "
+     "search: optuna")),
+    (["tune.scheduler=pbt", "tune.search_space={privacy.noise_multiplier: {choice: [1, 2]}}"],
+     ("tune.scheduler: scheduler: pbt mutates searched fields other than "
+     "privacy.noise_multiplier, training.batch_size, training.epochs")),
+    (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",
+      "tune.scheduler=pbt"], ("tune.scheduler: random_stopping needs independent trials: use "
+                             "scheduler: fifo (pbt stops or changes trials")),
+    (["tune.pbt={quantile_fraction: 0.75}"], "tune.pbt.quantile_fraction: must be <= 0.5"),
     (["tune.random_stopping={mean_trials: 0.5}", "tune.selection=random_stopping"],
      "tune.random_stopping.mean_trials: must be >= 1, got 0.5"),
     (["budget.epsilon=0"], "budget.epsilon: must be > 0, got 0"),

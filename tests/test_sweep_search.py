@@ -48,11 +48,12 @@ def ledger_epsilon(rows: list[dict], delta: float) -> float:
     return accountant.get_epsilon(delta)
 
 
-def sweep(tmp_path, name: str, *overrides: str) -> tuple[dict, list[dict], list[dict]]:
+def sweep(tmp_path, name: str, *overrides: str, epsilon: float = BUDGET_EPSILON
+          ) -> tuple[dict, list[dict], list[dict]]:
     """`raydp-train tune` of the digits sweep on a fresh budget: its summary, its trials' rows
     and its ledger's rows, after checking what the budget counted."""
     settings = [f"run.output_dir={tmp_path}/runs", f"budget.ledger={tmp_path}/budgets",
-                f"budget.name={name}", f"budget.epsilon={BUDGET_EPSILON}", "run.seed=11",
+                f"budget.name={name}", f"budget.epsilon={epsilon}", "run.seed=11",
                 "tune.max_concurrent_trials=1", *overrides]
     assert main(["tune", SWEEP, *(x for o in settings for x in ("--set", o))]) == 0
     (directory,) = (tmp_path / "runs").glob("sweep-digits-sweep-*")
@@ -60,7 +61,7 @@ def sweep(tmp_path, name: str, *overrides: str) -> tuple[dict, list[dict], list[
     trials = pq.read_table(directory / "results.parquet").to_pylist()
     rows = ledger_rows(name, f"{tmp_path}/budgets")
     counted = rows[-1]["running_epsilon"]
-    assert max(r["running_epsilon"] for r in rows) <= BUDGET_EPSILON
+    assert max(r["running_epsilon"] for r in rows) <= epsilon
     assert counted == pytest.approx(ledger_epsilon(rows, 1e-5), rel=1e-9)
     assert summary["privacy"]["epsilon"] == pytest.approx(counted, rel=1e-9)
     assert not any("error" in t and t["error"] for t in trials), trials
@@ -110,3 +111,41 @@ def test_asha_stops_a_two_worker_trial_and_its_run_ends_there(ray_session, tmp_p
     assert len(requests[trial_of[0.03]] & reserved) == 3
     # Its first epoch, and at most the one in flight when ASHA stopped it.
     assert 1 <= len(requests[trial_of[0.0001]] & reserved) <= 2
+
+
+def final_reports(directory) -> dict[str, dict]:
+    """Each trial's final report to Tune, by trial id (the last line of its result.json)."""
+    finals = {}
+    for results in directory.glob("trials/*/result.json"):
+        for line in results.read_text().splitlines():
+            report = json.loads(line)
+            if report.get("final"):
+                finals[report["trial_id"]] = report
+    return finals
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pbt_counts_every_step_of_every_trial_copied_or_not(ray_session, tmp_path, workers):
+    """PBT continues the trial behind (lr 1e-4) from the checkpoint of the one ahead (lr
+    0.03) at epoch c. The budget counts each epoch under the trial that ran it: the one ahead,
+    never continued, all E of its epochs; the copied epochs once, under it; the continued
+    trial, its own epochs before the copy and the E - c it ran after. Two 2-worker trials
+    cannot overlap on the session's 4 CPUs (4 workers and 2 trials), so with 2 workers the
+    second runs after the first, with no live trial to copy from: that case checks that such
+    trials report their checkpoints and are counted."""
+    epochs = 5 if workers == 1 else 2
+    _, trials, rows = sweep(
+        tmp_path, f"pbt-{workers}", f"training.workers={workers}", f"training.epochs={epochs}",
+        "tune.scheduler=pbt", "tune.pbt={perturbation_interval: 1, quantile_fraction: 0.5}",
+        "tune.search=grid", "tune.num_samples=1", "tune.max_concurrent_trials=2",
+        "tune.search_space={training.lr: {grid: [0.0001, 0.03]}}", epsilon=30.0)
+    finals = final_reports(next((tmp_path / "runs").glob("sweep-*")))
+    assert len(finals) == 2 and all(t["stop_reason"] == "completed" for t in trials), trials
+    copied = {trial: final["continued_from_epoch"] for trial, final in finals.items()}
+    assert any(copied.values()) or workers == 2, copied
+    for trial, epoch in copied.items():
+        reserved = [r for r in rows if r["kind"] == "reserve" and r["owner"].endswith(trial)]
+        if epoch == 0:  # ran every epoch itself
+            assert len(reserved) == epochs, (trial, len(reserved))
+        else:  # at least one epoch before PBT continued it, and every epoch after
+            assert len(reserved) >= 1 + epochs - epoch, (trial, epoch, len(reserved))

@@ -101,6 +101,18 @@ class AshaConfig(Section):
     reduction_factor: float = Field(2.0, gt=1)
 
 
+class PbtConfig(Section):
+    """Population based training: every `perturbation_interval` epochs, a trial in the bottom
+    `quantile_fraction` continues from a top trial's checkpoint with mutated settings."""
+
+    perturbation_interval: int = Field(1, ge=1)  # epochs
+    quantile_fraction: float = Field(0.25, gt=0, le=0.5)
+
+
+# Fields that set what a trial spends (its sigma, q and steps): drawn once per trial, never
+# mutated by pbt, so each trial's plan and the sweep's worst-trial bound stay as validated.
+PLAN_FIELDS = ("privacy.noise_multiplier", "training.batch_size", "training.epochs")
+
 # Tune's search algorithms by name; the adaptive ones choose each trial from earlier trials'
 # released metrics, and need the `search` extra (sweeps/search.py).
 SEARCHES = ("random", "grid", "optuna", "hyperopt", "bayesopt")
@@ -135,8 +147,9 @@ class TuneConfig(Section):
     metric: Literal["validation_accuracy"] = "validation_accuracy"
     mode: Literal["max", "min"] = "max"
     search: Literal[SEARCHES] = "random"
-    scheduler: Literal["fifo", "asha"] = "fifo"
+    scheduler: Literal["fifo", "asha", "pbt"] = "fifo"
     asha: AshaConfig = AshaConfig()
+    pbt: PbtConfig = PbtConfig()
     selection: Literal["composition", "random_stopping"] = "composition"
     random_stopping: RandomStopping | None = None
 
@@ -178,6 +191,14 @@ class TuneConfig(Section):
                 raise FieldProblem(f"search: bayesopt models continuous ranges on a linear scale: "
                                    f"use uniform, not {dimension.kind} (or search: optuna or "
                                    "hyperopt)", where)
+        if self.scheduler == "pbt" and self.search in ADAPTIVE_SEARCHES:
+            raise FieldProblem(f"scheduler: pbt explores by mutating running trials; it does not "
+                               f"take search: {self.search}: use search: random or grid",
+                               "scheduler")
+        if self.scheduler == "pbt" and not set(self.search_space) - set(PLAN_FIELDS):
+            raise FieldProblem(f"scheduler: pbt mutates searched fields other than "
+                               f"{', '.join(PLAN_FIELDS)} (they set what a trial spends): "
+                               "search one, such as training.lr", "scheduler")
         return self
 
     @model_validator(mode="after")

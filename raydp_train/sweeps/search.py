@@ -15,7 +15,7 @@ import importlib.util
 import math
 
 from raydp_train.config.pipeline import Pipeline
-from raydp_train.config.sweep import WHOLE_NUMBERS
+from raydp_train.config.sweep import PLAN_FIELDS, WHOLE_NUMBERS
 from raydp_train.config.training import TrainingSetupError
 
 EXTRA = "search"  # pyproject.toml's extra with the adaptive searchers' packages
@@ -77,16 +77,34 @@ def _skipping_unscored(searcher, max_concurrent: int):
 
 
 def scheduler(pipeline: Pipeline):
-    """Tune's trial scheduler: FIFO, or ASHA (stops trials behind at each rung)."""
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    """Tune's trial scheduler: FIFO, ASHA (stops trials behind at each rung), or PBT (a trial
+    behind continues from a trial ahead's checkpoint, its settings mutated: every searched
+    field but those that set what it spends)."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
 
     config = pipeline.tune
     if config.scheduler == "fifo":
         return FIFOScheduler()
-    return ASHAScheduler(
+    if config.scheduler == "asha":
+        return ASHAScheduler(
+            time_attr="epoch", metric=config.metric, mode=config.mode,
+            max_t=most_epochs(pipeline), grace_period=config.asha.grace_period,
+            reduction_factor=config.asha.reduction_factor)
+    # Listed values mutate to a neighbour; ranges by a factor of 0.8 or 1.2 (or resampled).
+    mutations = {key: _listed(entry) for key, entry in param_space(config).items()
+                 if key not in PLAN_FIELDS}
+    return PopulationBasedTraining(
         time_attr="epoch", metric=config.metric, mode=config.mode,
-        max_t=most_epochs(pipeline), grace_period=config.asha.grace_period,
-        reduction_factor=config.asha.reduction_factor)
+        perturbation_interval=config.pbt.perturbation_interval,
+        quantile_fraction=config.pbt.quantile_fraction, hyperparam_mutations=mutations)
+
+
+def _listed(entry):
+    """A search-space entry as PBT mutates it: the values of a choice or grid, else the range."""
+    if isinstance(entry, dict):
+        return entry["grid_search"]
+    return getattr(entry, "categories", entry)
 
 
 def param_space(config) -> dict:
