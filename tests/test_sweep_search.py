@@ -3,6 +3,8 @@ the budget counts is dp-accounting's composition, called here directly, of every
 release its ledger charged, and it never exceeds the budget."""
 
 import json
+import re
+from types import SimpleNamespace
 
 import dp_accounting
 import pyarrow.parquet as pq
@@ -11,6 +13,7 @@ from dp_accounting import rdp
 
 from raydp_train.budget.ledger_reading import ledger_rows
 from raydp_train.commands.cli import main
+from raydp_train.sweeps.progress import sweep_table
 
 SWEEP = "pipelines/sweep_digits.yaml"
 # One epoch of a trial costs epsilon 1.4-1.9 (sigma 2-1.2, with its noisy release): a budget
@@ -69,10 +72,15 @@ def sweep(tmp_path, name: str, *overrides: str, epsilon: float = BUDGET_EPSILON
 
 
 @pytest.mark.parametrize("search", list(SPACES))
-def test_each_search_algorithm_spends_from_one_budget(ray_session, tmp_path, search):
+def test_each_search_algorithm_spends_from_one_budget(ray_session, tmp_path, capsys, search):
     summary, trials, rows = sweep(tmp_path, f"search-{search}", "training.epochs=1",
                                   "tune.num_samples=3" if search != "grid" else "tune.num_samples=1",
                                   f"tune.search={search}", f"tune.search_space={SPACES[search]}")
+    # The sweep's table, at each trial's end (and every 30 s).
+    tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sweep: ")]
+    assert len(tables) >= len(trials) and re.fullmatch(
+        r"sweep: \d running, \d finished, 0 pending; best validation_accuracy 0\.\d{4}; budget "
+        rf"epsilon {rows[-1]['running_epsilon']:.3f} counted, [\d.]+ left of 4", tables[-1])
     assert len(trials) == (2 if search == "grid" else 3)
     assert summary["best"] is not None and "completed" in [t["stop_reason"] for t in trials]
     if search == "grid":
@@ -81,6 +89,16 @@ def test_each_search_algorithm_spends_from_one_budget(ray_session, tmp_path, sea
     trained = [t for t in trials if t["epochs"]]
     assert len([r for r in rows if r["kind"] == "reserve"]) == len(trained)
 
+
+
+def test_the_sweep_table_counts_trials_by_state_and_shows_the_budget_left():
+    trials = [SimpleNamespace(status=s) for s in ("RUNNING", "TERMINATED", "ERROR", "PENDING")]
+    line = sweep_table(trials, {"a": 0.5, "b": 0.75}, "validation_accuracy", max,
+                       {"epsilon": 10.0, "epsilon_counted": 4.25})
+    assert line == ("sweep: 1 running, 2 finished, 1 pending; best validation_accuracy 0.7500; "
+                    "budget epsilon 4.250 counted, 5.750 left of 10")
+    assert "best validation_accuracy none yet" in sweep_table(
+        trials, {}, "validation_accuracy", min, {"epsilon": 1.0, "epsilon_counted": 0.0})
 
 
 def charged_requests(directory) -> dict[str, set[str]]:

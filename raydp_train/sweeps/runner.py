@@ -29,6 +29,7 @@ from raydp_train.checks.preflight import check_pipeline
 from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
 from raydp_train.runs.worker_errors import user_error_in
 from raydp_train.sweeps.best_alone import best_alone
+from raydp_train.sweeps.progress import progress_printer
 from raydp_train.sweeps.search import param_space, scheduler, search_algorithm
 from raydp_train.sweeps.spending import (
     check_search_space,
@@ -135,7 +136,7 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
         # Under random stopping no trial's progress is shown: it would release every trial.
         run_config=tune.RunConfig(storage_path=str(directory.resolve()), name="trials", verbose=0,
                                   callbacks=[] if trial_budget is None else [
-                                      _progress_printer(on_line, pipeline),
+                                      progress_printer(on_line, pipeline, trial_budget),
                                       *tune_callbacks(pipeline)]),  # run.loggers
     )
 
@@ -150,30 +151,6 @@ def _keep_best_model(directory: Path, best: dict) -> Path | None:
         (kept / "record.json").write_text(json.dumps(record, indent=2))
     shutil.rmtree(directory / MODELS, ignore_errors=True)
     return kept
-
-
-def _progress_printer(on_line, pipeline: Pipeline):
-    """One line per trial epoch and per finished trial, on the driver."""
-    from ray.tune import Callback
-
-    metric = pipeline.tune.metric
-    # "epoch 3/20", unless the trials differ in epochs
-    of = "" if "training.epochs" in pipeline.tune.search_space else f"/{pipeline.training.epochs}"
-
-    shown: dict[str, int] = {}  # each trial's last epoch shown
-
-    class ProgressPrinter(Callback):
-        def on_trial_result(self, iteration, trials, trial, result, **info):
-            # A trial's last epoch arrives in its final report (run_trial).
-            if result.get("epoch", 0) > shown.get(trial.trial_id, 0) and "epsilon" in result:
-                shown[trial.trial_id] = result["epoch"]
-                on_line(f"  {trial.trial_id}  epoch {result['epoch']}{of}  {metric} "
-                        f"{result.get(metric, math.nan):.4f}  epsilon {result['epsilon']:.3f}")
-            if result.get("final"):
-                on_line(f"  {trial.trial_id}  {result['stop']}  "
-                        f"(trial epsilon {result['epsilon']:.3f})")
-
-    return ProgressPrinter()
 
 
 def _trial_row(result, config) -> dict:
