@@ -194,6 +194,15 @@ def test_run_seed_draws_the_same_sweep_again_and_caps_the_trials_running_at_once
     assert search.next_trial() and search.next_trial() and search.next_trial() is None
 
 
+def test_validate_says_pbt_may_run_a_trial_past_its_planned_epochs():
+    from raydp_train.checks.validation import sweep_spending
+
+    pipeline = load_pipeline(SWEEP, ["tune.scheduler=pbt"])
+    how = sweep_spending(pipeline, check_pipeline(pipeline, for_training=False)[1])[2]
+    assert how == ("composition of 6 trials at their planned epochs; pbt may run a continued "
+                   "trial longer, and the budget, which counts every epoch, bounds the sweep")
+
+
 BAYESOPT_SPACE = ("tune.search_space={privacy.noise_multiplier: {uniform: [1.2, 2.0]}, "
                   "training.lr: {uniform: [0.003, 0.03]}}")
 
