@@ -151,7 +151,7 @@ def test_pbt_counts_every_step_of_every_trial_copied_or_not(ray_session, tmp_pat
     cannot overlap on the session's 4 CPUs (4 workers and 2 trials), so with 2 workers the
     second runs after the first, with no live trial to copy from: that case checks that such
     trials report their checkpoints and are counted."""
-    epochs = 5 if workers == 1 else 2
+    epochs = 8 if workers == 1 else 2  # one worker: long enough for the trials to overlap
     _, trials, rows = sweep(
         tmp_path, f"pbt-{workers}", f"training.workers={workers}", f"training.epochs={epochs}",
         "tune.scheduler=pbt", "tune.pbt={perturbation_interval: 1, quantile_fraction: 0.5}",

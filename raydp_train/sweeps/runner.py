@@ -37,7 +37,7 @@ from raydp_train.sweeps.spending import (
     first_refusal,
     random_stopping_spend,
 )
-from raydp_train.sweeps.trial import MODELS, run_trial
+from raydp_train.sweeps.trial import MODELS, ending_its_run, run_trial
 from raydp_train.train.stops import REFUSALS, StopReason
 
 
@@ -117,9 +117,9 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
     from raydp_train.reports.trackers import tune_callbacks
 
     config = pipeline.tune
-    trainable = tune.with_parameters(
+    trainable = ending_its_run(tune.with_parameters(
         run_trial, base=pipeline.model_dump(mode="json"), budget=trial_budget,
-        sweep_id=directory.name, directory=str(directory))
+        sweep_id=directory.name, directory=str(directory)))
     # A trial that drives a Ray Train run needs little: its workers get their own placement group.
     cpus = 1 if pipeline.training.workers == 1 else 0.25
     return tune.Tuner(

@@ -13,6 +13,30 @@ from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_d
 from raydp_train.train.stops import StopReason
 
 MODELS = "trial_models"  # each trained trial's model, until the sweep keeps the best
+RUNS_IN_THIS_PROCESS: list[Path] = []  # the Ray Train runs this trial process drives
+STOP_WAIT_S = 600  # Tune's own limit on a trial's cleanup (TUNE_FORCE_TRIAL_CLEANUP_S)
+
+
+def ending_its_run(trainable):
+    """`trainable` (run_trial with its parameters) as Tune's function trainable whose stop
+    waits for its Ray Train run to end: the workers are asked to stop before their next epoch,
+    and the trial process is not killed under them. Killed, the run's workers were never
+    removed: their placement group kept its CPUs for as long as Ray ran, and a sweep whose
+    trials ASHA stopped ran out of them and waited for ever."""
+    from ray.train._internal.session import get_session
+    from ray.tune.trainable.function_trainable import wrap_function
+
+    from raydp_train.train.context import request_stop
+
+    class EndsItsRun(wrap_function(trainable)):
+        def cleanup(self):
+            for run_dir in RUNS_IN_THIS_PROCESS:
+                request_stop(run_dir)
+            get_session().finish(timeout=STOP_WAIT_S)  # its thread: its run ended, it returned
+            RUNS_IN_THIS_PROCESS.clear()
+            super().cleanup()
+
+    return EndsItsRun
 
 
 def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -> None:
@@ -49,6 +73,7 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
         result = train(pipeline, plan, context, dataset=dataset)
     else:
         to_tune.run_dir = _run_dir(Path(directory) / "train", trial_id, continued)
+        RUNS_IN_THIS_PROCESS.append(to_tune.run_dir)
         result = fit(pipeline, plan, to_tune.run_dir, on_epoch=to_tune.report, budget=budget,
                      owner=owner, dataset=dataset, ceiling=ceiling,
                      concurrent_runs=pipeline.tune.max_concurrent_trials)
