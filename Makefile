@@ -1,5 +1,6 @@
 # `make run`: set up .venv (CPU torch first, so no multi-GB CUDA build is pulled) and run the
-# quickstart pipeline. `make test`: same set-up, then the test suite.
+# quickstart pipeline. `make test`: same set-up, then the test suite. The set-up installs the
+# test, docs and search extras (search: the adaptive sweeps' packages, which the tests run).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -49,8 +50,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
 	($(BIN)/python -m pip install --quiet uv && \
-	  $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e ".[test,docs]") || \
-	  $(BIN)/python -m pip install --quiet -e ".[test,docs]"
+	  $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e ".[test,docs,search]") || \
+	  $(BIN)/python -m pip install --quiet -e ".[test,docs,search]"
 	touch $(STAMP)
 
 clean:

@@ -17,7 +17,13 @@ from raydp_train.data.sources import load_data
 from raydp_train.models.builders import build_model
 from raydp_train.privacy.mechanism import LowRankSparse
 from raydp_train.train.context import LocalContext
-from raydp_train.train.optim import OPTIMIZERS, TrainingSetupError, make_optimizer, make_schedule
+from raydp_train.train.optim import (
+    OPTIMIZERS,
+    TrainingSetupError,
+    make_optimizer,
+    make_schedule,
+    with_settings,
+)
 from raydp_train.train.plan import make_plan
 from raydp_train.train.schedules import Schedule
 from raydp_train.train.step import cross_entropy_loss, private_step
@@ -55,6 +61,26 @@ def test_groups_take_their_own_lr_and_the_rest_takes_training_lr():
         (2, 0.5, 0.01), (1, 0.1, 0.2), (1, 0.1, 0.01)]
     assert groups[0]["params"][0] is layer3.weight  # 3.bias stays in the first group matching it
     assert groups[1]["params"] == [layer1.weight] and groups[2]["params"] == [layer1.bias]
+
+
+def test_a_continued_checkpoint_takes_the_new_settings_where_its_schedule_stands():
+    """PBT: a trial continues another's checkpoint with its own (mutated) learning rates and
+    weight decays; the schedule's place (warmup half done) carries over; the same optimizer
+    and schedule built from the new settings, stepped as far, agree with it."""
+    groups = [{"params": ["3.*"], "lr": 0.5}]
+    before, after = (pipeline(param_groups=[{**groups[0], "lr": lr}], lr=base, warmup_steps=4,
+                              weight_decay=decay)
+                     for lr, base, decay in ((0.5, 0.1, 0.0), (0.2, 0.03, 0.01)))
+    states = []
+    for p in (before, after):
+        model, _ = model_of(p)
+        optimizer = make_optimizer(model, p.training)
+        schedule = make_schedule(optimizer, p.training, total_steps=8)
+        schedule.step(), schedule.step()
+        states.append({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()})
+    continued = with_settings(states[0], after.training)
+    assert continued["optimizer"]["param_groups"] == states[1]["optimizer"]["param_groups"]
+    assert continued["schedule"] == states[1]["schedule"]
 
 
 @pytest.mark.parametrize(("groups", "expected"), [

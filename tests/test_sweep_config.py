@@ -8,7 +8,8 @@ from sweep_draws import drawn
 
 from raydp_train.checks.preflight import check_pipeline
 from raydp_train.config.pipeline import PipelineError, load_pipeline
-from raydp_train.sweeps.runner import sampler
+from raydp_train.errors import UserError
+from raydp_train.sweeps.search import search_algorithm
 from raydp_train.sweeps.spending import random_stopping_spend, worst_trial_spend
 
 SWEEP = "pipelines/sweep_digits.yaml"
@@ -44,8 +45,6 @@ def _error(*overrides: str) -> str:
      "searching privacy.lsg fields needs privacy.mechanism: lsg"),
     (["privacy.noise_multiplier=null", "privacy.target_epsilon=3"],
      "searching privacy.noise_multiplier needs privacy.noise_multiplier set"),
-    (["tune.scheduler=asha", "training.workers=2"],
-     "tune.scheduler: asha stops trials part-way, and a trial of 2 workers does not end"),
     (["tune.selection=random_stopping"], "tune.random_stopping: required with selection"),
     (["tune.random_stopping={mean_trials: 4}"], "only allowed with selection: random_stopping"),
     (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",
@@ -57,6 +56,29 @@ def _error(*overrides: str) -> str:
      "tune.search_space.training.lr: random_stopping draws every trial at random"),
     (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",
       "run.loggers=[csv]"], "run.loggers: random_stopping releases the best trial alone"),
+    (["tune.search=grid"], ("tune.search_space.privacy.noise_multiplier: search: grid crosses "
+                            "listed values: give privacy.noise_multiplier grid values, not choice")),
+    (["tune.search=optuna", "tune.search_space={training.lr: {grid: [0.1, 0.2]}}"],
+     "tune.search_space.training.lr: search: optuna draws from distributions, not a grid"),
+    (["tune.search=bayesopt"], ("tune.search_space.privacy.noise_multiplier: search: bayesopt "
+                                "models continuous ranges on a linear scale: use uniform, not choice")),
+    (["tune.search=tpe"], "tune.search: must be one of 'random', 'grid', 'optuna', 'hyperopt', 'bayesopt', got 'tpe'"),
+    (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",
+      "tune.search=hyperopt"], ("tune.search: random_stopping's guarantee (Papernot & Steinke) "
+                                "covers trials drawn independently at random; search: hyperopt "
+                                "chooses each trial from earlier trials' results (adaptive "
+                                "choices are not covered): use search: random, or selection: "
+                                "composition")),
+    (["tune.scheduler=pbt", "tune.search=optuna"],
+     ("tune.scheduler: scheduler: pbt explores by mutating running trials; it does not take "
+     "search: optuna")),
+    (["tune.scheduler=pbt", "tune.search_space={privacy.noise_multiplier: {choice: [1, 2]}}"],
+     ("tune.scheduler: scheduler: pbt mutates searched fields other than "
+     "privacy.noise_multiplier, training.batch_size, training.epochs")),
+    (["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 4}",
+      "tune.scheduler=pbt"], ("tune.scheduler: random_stopping needs independent trials: use "
+                             "scheduler: fifo (pbt stops or changes trials")),
+    (["tune.pbt={quantile_fraction: 0.75}"], "tune.pbt.quantile_fraction: must be <= 0.5"),
     (["tune.random_stopping={mean_trials: 0.5}", "tune.selection=random_stopping"],
      "tune.random_stopping.mean_trials: must be >= 1, got 0.5"),
     (["budget.epsilon=0"], "budget.epsilon: must be > 0, got 0"),
@@ -165,11 +187,53 @@ def test_run_seed_draws_the_same_sweep_again_and_caps_the_trials_running_at_once
     assert drawn(load_pipeline(SWEEP, ["run.seed=8"])) != first
     assert drawn(load_pipeline(SWEEP)) != drawn(load_pipeline(SWEEP))  # no seed: new draws
     # tune.max_concurrent_trials (2): a third trial waits until one of the two finishes.
-    search = sampler(seeded)
+    search = search_algorithm(seeded)
     from ray.tune.experiment import Experiment
 
     search.add_configurations([Experiment("capped", run=lambda config: None, num_samples=6)])
     assert search.next_trial() and search.next_trial() and search.next_trial() is None
+
+
+def test_validate_says_pbt_may_run_a_trial_past_its_planned_epochs():
+    from raydp_train.checks.validation import sweep_spending
+
+    pipeline = load_pipeline(SWEEP, ["tune.scheduler=pbt"])
+    how = sweep_spending(pipeline, check_pipeline(pipeline, for_training=False)[1])[2]
+    assert how == ("composition of 6 trials at their planned epochs; pbt may run a continued "
+                   "trial longer, and the budget, which counts every epoch, bounds the sweep")
+
+
+BAYESOPT_SPACE = ("tune.search_space={privacy.noise_multiplier: {uniform: [1.2, 2.0]}, "
+                  "training.lr: {uniform: [0.003, 0.03]}}")
+
+
+@pytest.mark.parametrize("search", ["optuna", "hyperopt", "bayesopt"])
+def test_an_adaptive_search_is_seeded_by_run_seed(search):
+    """Tune's own integration, seeded: the same first trials on every run of the sweep."""
+    overrides = [f"tune.search={search}", "run.seed=7"]
+    if search == "bayesopt":
+        overrides.append(BAYESOPT_SPACE)
+    pipeline = load_pipeline(SWEEP, overrides)
+    first = drawn(pipeline)
+    assert len(first) == 6 and drawn(pipeline) == first
+    assert drawn(load_pipeline(SWEEP, [*overrides[:1], *overrides[2:], "run.seed=8"])) != first
+
+
+def test_a_search_without_its_package_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    from raydp_train.sweeps import search as search_module
+    from raydp_train.sweeps.spending import check_search_space
+
+    pipeline = load_pipeline(SWEEP, ["tune.search=optuna"])
+    found = importlib.util.find_spec
+    monkeypatch.setattr(search_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "optuna" else found(name, *a))
+    with pytest.raises(UserError) as caught:
+        check_search_space(pipeline, check_pipeline(pipeline, for_training=False)[1])
+    assert str(caught.value) == (
+        "tune.search: optuna needs the 'optuna' package, which is not installed: pip install "
+        "'raydp-train[search]' (or choose search: random)")
 
 
 def _epsilons(q: float, sigma: float, steps: int, releases: int) -> list[float]:

@@ -74,6 +74,9 @@ def sweep_spending(pipeline: Pipeline, plan: PrivacyPlan) -> tuple[Spend, float,
     else:
         spend = trials_spend(pipeline, plan, trial_count(config))
         how = f"composition of {trial_count(config)} trials"
+        if config.scheduler == "pbt":  # a continued trial: its epochs before, then the rest
+            how += (" at their planned epochs; pbt may run a continued trial longer, and the "
+                    "budget, which counts every epoch, bounds the sweep")
     return spend, composed_epsilon([spend.dp_event()], plan.delta, plan.accountant), how
 
 

@@ -166,11 +166,6 @@ def _check_tune(p: Pipeline) -> None:
                 p.privacy.mechanism != name):
             raise FieldProblem(f"searching privacy.{name} fields needs privacy.mechanism: "
                                f"{name}", "tune.search_space")
-    if p.tune.scheduler == "asha" and p.training.workers > 1:
-        raise FieldProblem(
-            f"asha stops trials part-way, and a trial of {p.training.workers} workers does not "
-            "end its Ray Train run when Tune stops it: the sweep would wait on it for ever. Use "
-            "scheduler: fifo, or training.workers: 1", "tune.scheduler")
     if p.tune.selection == "random_stopping" and p.budget.accountant != "rdp":
         raise FieldProblem("random_stopping is accounted with RDP only (Papernot & Steinke): "
                            "use budget.accountant: rdp", "tune.selection")

@@ -101,6 +101,24 @@ class AshaConfig(Section):
     reduction_factor: float = Field(2.0, gt=1)
 
 
+class PbtConfig(Section):
+    """Population based training: every `perturbation_interval` epochs, a trial in the bottom
+    `quantile_fraction` continues from a top trial's checkpoint with mutated settings."""
+
+    perturbation_interval: int = Field(1, ge=1)  # epochs
+    quantile_fraction: float = Field(0.25, gt=0, le=0.5)
+
+
+# Fields that set what a trial spends (its sigma, q and steps): drawn once per trial, never
+# mutated by pbt, so each trial's plan and the sweep's worst-trial bound stay as validated.
+PLAN_FIELDS = ("privacy.noise_multiplier", "training.batch_size", "training.epochs")
+
+# Tune's search algorithms by name; the adaptive ones choose each trial from earlier trials'
+# released metrics, and need the `search` extra (sweeps/search.py).
+SEARCHES = ("random", "grid", "optuna", "hyperopt", "bayesopt")
+ADAPTIVE_SEARCHES = ("optuna", "hyperopt", "bayesopt")
+
+
 class RandomStopping(Section):
     """Papernot & Steinke (2022): the number of trials is random, so selection costs little."""
 
@@ -128,8 +146,10 @@ class TuneConfig(Section):
     time_budget_s: float | None = Field(None, gt=0)
     metric: Literal["validation_accuracy"] = "validation_accuracy"
     mode: Literal["max", "min"] = "max"
-    scheduler: Literal["fifo", "asha"] = "fifo"
+    search: Literal[SEARCHES] = "random"
+    scheduler: Literal["fifo", "asha", "pbt"] = "fifo"
     asha: AshaConfig = AshaConfig()
+    pbt: PbtConfig = PbtConfig()
     selection: Literal["composition", "random_stopping"] = "composition"
     random_stopping: RandomStopping | None = None
 
@@ -156,6 +176,32 @@ class TuneConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _search_fits_space(self) -> TuneConfig:
+        """What each search algorithm can draw from: grid crosses listed values only, the
+        adaptive ones model distributions (no grid), bayesopt linear ranges only."""
+        for key, dimension in self.search_space.items():
+            where = f"search_space.{key}"
+            if self.search == "grid" and dimension.kind != "grid":
+                raise FieldProblem(f"search: grid crosses listed values: give {key} grid values, "
+                                   f"not {dimension.kind} (or use search: random)", where)
+            if self.search in ADAPTIVE_SEARCHES and dimension.kind == "grid":
+                raise FieldProblem(f"search: {self.search} draws from distributions, not a grid: "
+                                   "use choice for listed values", where)
+            if self.search == "bayesopt" and dimension.kind != "uniform":
+                raise FieldProblem(f"search: bayesopt models continuous ranges on a linear scale: "
+                                   f"use uniform, not {dimension.kind} (or search: optuna or "
+                                   "hyperopt)", where)
+        if self.scheduler == "pbt" and self.search in ADAPTIVE_SEARCHES:
+            raise FieldProblem(f"scheduler: pbt explores by mutating running trials; it does not "
+                               f"take search: {self.search}: use search: random or grid",
+                               "scheduler")
+        if self.scheduler == "pbt" and not set(self.search_space) - set(PLAN_FIELDS):
+            raise FieldProblem(f"scheduler: pbt mutates searched fields other than "
+                               f"{', '.join(PLAN_FIELDS)} (they set what a trial spends): "
+                               "search one, such as training.lr", "scheduler")
+        return self
+
+    @model_validator(mode="after")
     def _random_stopping_rules(self) -> TuneConfig:
         if self.selection != "random_stopping":
             if self.random_stopping is not None:
@@ -165,9 +211,17 @@ class TuneConfig(Section):
         if self.random_stopping is None:
             raise FieldProblem("required with selection: random_stopping (mean_trials, shape)",
                                "random_stopping")
+        if self.search != "random":
+            raise FieldProblem(
+                f"random_stopping's guarantee (Papernot & Steinke) covers trials drawn "
+                f"independently at random; search: {self.search} "
+                + ("crosses a fixed grid" if self.search == "grid" else
+                   "chooses each trial from earlier trials' results (adaptive choices are not "
+                   "covered)") + ": use search: random, or selection: composition", "search")
         if self.scheduler != "fifo":
-            raise FieldProblem("random_stopping needs independent trials: use scheduler: fifo "
-                               "(ASHA stops trials by comparing them)", "scheduler")
+            raise FieldProblem(f"random_stopping needs independent trials: use scheduler: fifo "
+                               f"({self.scheduler} stops or changes trials by comparing them)",
+                               "scheduler")
         for key, dimension in self.search_space.items():
             if dimension.grid is not None:
                 raise FieldProblem("random_stopping draws every trial at random: use choice, "

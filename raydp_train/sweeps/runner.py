@@ -27,17 +27,17 @@ from pathlib import Path
 from raydp_train.budget.ledger import as_uri
 from raydp_train.checks.preflight import check_pipeline
 from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
-from raydp_train.config.sweep import WHOLE_NUMBERS
 from raydp_train.runs.worker_errors import user_error_in
 from raydp_train.sweeps.best_alone import best_alone
+from raydp_train.sweeps.progress import progress_printer
+from raydp_train.sweeps.search import param_space, scheduler, search_algorithm
 from raydp_train.sweeps.spending import (
     check_search_space,
     draw_trial_count_of,
     first_refusal,
-    most_epochs,
     random_stopping_spend,
 )
-from raydp_train.sweeps.trial import MODELS, run_trial
+from raydp_train.sweeps.trial import MODELS, ending_its_run, run_trial
 from raydp_train.train.stops import REFUSALS, StopReason
 
 
@@ -117,24 +117,26 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
     from raydp_train.reports.trackers import tune_callbacks
 
     config = pipeline.tune
-    trainable = tune.with_parameters(
+    trainable = ending_its_run(tune.with_parameters(
         run_trial, base=pipeline.model_dump(mode="json"), budget=trial_budget,
-        sweep_id=directory.name, directory=str(directory))
+        sweep_id=directory.name, directory=str(directory)))
     # A trial that drives a Ray Train run needs little: its workers get their own placement group.
     cpus = 1 if pipeline.training.workers == 1 else 0.25
     return tune.Tuner(
         tune.with_resources(trainable, {"cpu": cpus}),
         param_space=param_space(config),
         tune_config=tune.TuneConfig(
-            num_samples=num_samples, search_alg=sampler(pipeline),
-            scheduler=_scheduler(pipeline), time_budget_s=config.time_budget_s,
+            num_samples=num_samples, search_alg=search_algorithm(pipeline),
+            scheduler=scheduler(pipeline), time_budget_s=config.time_budget_s,
             # The next trial runs in a finished one's process: no new process, no imports
-            # (digits trials: ~5 s each before). Each trial builds all it uses anew.
-            reuse_actors=True),
+            # (digits trials: ~5 s each before). Each trial builds all it uses anew. Not a
+            # trial of several workers: one Tune stopped is still ending its Ray Train run
+            # when Tune would reuse its process, and Tune then fails the next trial.
+            reuse_actors=pipeline.training.workers == 1),
         # Under random stopping no trial's progress is shown: it would release every trial.
         run_config=tune.RunConfig(storage_path=str(directory.resolve()), name="trials", verbose=0,
                                   callbacks=[] if trial_budget is None else [
-                                      _progress_printer(on_line, pipeline),
+                                      progress_printer(on_line, pipeline, trial_budget),
                                       *tune_callbacks(pipeline)]),  # run.loggers
     )
 
@@ -149,63 +151,6 @@ def _keep_best_model(directory: Path, best: dict) -> Path | None:
         (kept / "record.json").write_text(json.dumps(record, indent=2))
     shutil.rmtree(directory / MODELS, ignore_errors=True)
     return kept
-
-
-def _progress_printer(on_line, pipeline: Pipeline):
-    """One line per trial epoch and per finished trial, on the driver."""
-    from ray.tune import Callback
-
-    metric = pipeline.tune.metric
-    # "epoch 3/20", unless the trials differ in epochs
-    of = "" if "training.epochs" in pipeline.tune.search_space else f"/{pipeline.training.epochs}"
-
-    shown: dict[str, int] = {}  # each trial's last epoch shown
-
-    class ProgressPrinter(Callback):
-        def on_trial_result(self, iteration, trials, trial, result, **info):
-            # A trial's last epoch arrives in its final report (run_trial).
-            if result.get("epoch", 0) > shown.get(trial.trial_id, 0) and "epsilon" in result:
-                shown[trial.trial_id] = result["epoch"]
-                on_line(f"  {trial.trial_id}  epoch {result['epoch']}{of}  {metric} "
-                        f"{result.get(metric, math.nan):.4f}  epsilon {result['epsilon']:.3f}")
-            if result.get("final"):
-                on_line(f"  {trial.trial_id}  {result['stop']}  "
-                        f"(trial epsilon {result['epsilon']:.3f})")
-
-    return ProgressPrinter()
-
-
-def sampler(pipeline: Pipeline):
-    """Tune's random search over the search space, at most `tune.max_concurrent_trials` trials
-    at once. With `run.seed` it draws the same configurations on every run of the sweep, as
-    the seed repeats each trial's training; without, new ones each time."""
-    from ray.tune.search.basic_variant import BasicVariantGenerator
-
-    # The limit goes here: TuneConfig's max_concurrent_trials is ignored beside a search_alg.
-    return BasicVariantGenerator(max_concurrent=pipeline.tune.max_concurrent_trials,
-                                 random_state=pipeline.run.seed)
-
-
-def param_space(config) -> dict:
-    from ray import tune
-
-    make = {"choice": tune.choice, "grid": tune.grid_search,
-            "uniform": lambda b: tune.uniform(*b), "loguniform": lambda b: tune.loguniform(*b)}
-    return {key: make[d.kind]([int(v) for v in d.values()] if key in WHOLE_NUMBERS
-                              else getattr(d, d.kind))
-            for key, d in config.search_space.items()}
-
-
-def _scheduler(pipeline: Pipeline):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
-    config = pipeline.tune
-    if config.scheduler == "fifo":
-        return FIFOScheduler()
-    return ASHAScheduler(
-        time_attr="epoch", metric=config.metric, mode=config.mode,
-        max_t=most_epochs(pipeline), grace_period=config.asha.grace_period,
-        reduction_factor=config.asha.reduction_factor)
 
 
 def _trial_row(result, config) -> dict:

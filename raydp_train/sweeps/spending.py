@@ -16,13 +16,16 @@ from raydp_train.budget.terms import Spend
 from raydp_train.checks.preflight import check_pipeline
 from raydp_train.config.pipeline import Pipeline, pipeline_from_dict
 from raydp_train.config.training import TrainingSetupError
+from raydp_train.sweeps.search import check_search_installed
 
 SPEND_FIELDS = ("training.batch_size", "training.epochs")  # with sigma: what a trial spends
 
 
 def check_search_space(pipeline: Pipeline, plan) -> None:
     """Validate the pipeline at every extreme value of every searched field, before any
-    budget is touched: a bad bound fails here, naming the field, not in trial 7."""
+    budget is touched: a bad bound fails here, naming the field, not in trial 7; and the
+    search algorithm's package is installed."""
+    check_search_installed(pipeline.tune.search)
     base = pipeline.model_dump(mode="json")
     for key, dimension in pipeline.tune.search_space.items():
         for value in dimension.values():
@@ -79,12 +82,6 @@ def _trial_plan(pipeline: Pipeline, plan, overrides: list[str]):
     candidate = pipeline_from_dict(pipeline.model_dump(mode="json"), overrides,
                                    source=f"tune.search_space {overrides}")
     return make_plan(candidate, plan.num_examples)
-
-
-def most_epochs(pipeline: Pipeline) -> int:
-    """The most epochs any trial runs."""
-    searched = pipeline.tune.search_space.get("training.epochs")
-    return max(int(v) for v in searched.values()) if searched else pipeline.training.epochs
 
 
 def random_stopping_spend(pipeline: Pipeline, plan) -> Spend:

@@ -5,6 +5,7 @@ sweep's budget; its epochs reported to Tune, and its model saved for the sweep t
 from __future__ import annotations
 
 import math
+import tempfile
 from pathlib import Path
 
 from raydp_train.checks.preflight import check_pipeline
@@ -12,6 +13,30 @@ from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_d
 from raydp_train.train.stops import StopReason
 
 MODELS = "trial_models"  # each trained trial's model, until the sweep keeps the best
+RUNS_IN_THIS_PROCESS: list[Path] = []  # the Ray Train runs this trial process drives
+STOP_WAIT_S = 600  # Tune's own limit on a trial's cleanup (TUNE_FORCE_TRIAL_CLEANUP_S)
+
+
+def ending_its_run(trainable):
+    """`trainable` (run_trial with its parameters) as Tune's function trainable whose stop
+    waits for its Ray Train run to end: the workers are asked to stop before their next epoch,
+    and the trial process is not killed under them. Killed, the run's workers were never
+    removed: their placement group kept its CPUs for as long as Ray ran, and a sweep whose
+    trials ASHA stopped ran out of them and waited for ever."""
+    from ray.train._internal.session import get_session
+    from ray.tune.trainable.function_trainable import wrap_function
+
+    from raydp_train.train.context import request_stop
+
+    class EndsItsRun(wrap_function(trainable)):
+        def cleanup(self):
+            for run_dir in RUNS_IN_THIS_PROCESS:
+                request_stop(run_dir)
+            get_session().finish(timeout=STOP_WAIT_S)  # its thread: its run ended, it returned
+            RUNS_IN_THIS_PROCESS.clear()
+            super().cleanup()
+
+    return EndsItsRun
 
 
 def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -> None:
@@ -37,22 +62,23 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
     # Under random stopping (no budget of its own) the sweep's one reservation pays for this
     # trial's planned steps, and no more.
     ceiling = planned_charges(plan) if budget is None else None
-
-    def report(row: dict) -> None:
-        if row["epoch"] != plan.epochs:  # the last one: in the final report
-            tune.report({**row, "stop": StopReason.RUNNING.value})
-
+    continued = continued_state(pipeline.training)  # PBT: from a trial ahead's checkpoint
+    to_tune = EpochsToTune(plan.epochs, pipeline.tune.scheduler == "pbt", continued)
     if pipeline.training.workers == 1:
         account = RunAccount(MemoryCharges(), budget, owner, plan, epsilon_cap(pipeline, plan),
                              ceiling)
-        context = LocalContext(on_epoch=report, account=account,
-                               sharing=pipeline.tune.max_concurrent_trials)
+        context = LocalContext(on_epoch=to_tune.report, account=account,
+                               sharing=pipeline.tune.max_concurrent_trials, restored=continued,
+                               on_checkpoint=to_tune.report if to_tune.checkpoints else None)
         result = train(pipeline, plan, context, dataset=dataset)
     else:
-        result = fit(pipeline, plan, Path(directory) / "train" / trial_id, on_epoch=lambda r: None,
-                     budget=budget, owner=owner, callbacks=[_reports_but_the_last(plan.epochs)],
-                     dataset=dataset, ceiling=ceiling,
+        to_tune.run_dir = _run_dir(Path(directory) / "train", trial_id, continued)
+        RUNS_IN_THIS_PROCESS.append(to_tune.run_dir)
+        result = fit(pipeline, plan, to_tune.run_dir, on_epoch=to_tune.report, budget=budget,
+                     owner=owner, dataset=dataset, ceiling=ceiling,
                      concurrent_runs=pipeline.tune.max_concurrent_trials)
+        if to_tune.stopped:  # by Tune (ASHA): nothing reads this trial's reports any more
+            return
     # The last epoch reaches Tune only here, after the model is saved: ASHA stops a trial on
     # its report at max_t, which ended the trial before the save (no best model, and every
     # trial that trained to the end shown "stopped by scheduler").
@@ -60,21 +86,89 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str) -
         _save_trial_model(Path(directory), trial_id, pipeline, plan, result)
     last = result.metrics[-1] if result.metrics else {"epoch": 0, "validation_accuracy": math.nan}
     tune.report({**last, "stop": result.stop.value, "stop_reason": result.stop_reason,
-                 "final": True,
+                 "final": True, "continued_from_epoch": to_tune.continued_from_epoch,
                  "epsilon": plan.epsilon(result.steps_charged, releases=result.releases_charged),
                  "steps_charged": result.steps_charged})
 
 
-def _reports_but_the_last(last_epoch: int):
-    """Ray Train's epoch reports to Tune, all but the last epoch's (see run_trial)."""
-    from ray.tune.integration.ray_train import TuneReportCallback
+class EpochsToTune:
+    """A trial's epochs reported to Tune: all but the last (see run_trial), each with the
+    state to continue from under PBT. One worker: called by the loop, with the epoch's state.
+    Several: called by the trial's own thread that reads rank 0's rows (train/trainer.py),
+    with the run's newest checkpoint.
 
-    class ReportsButTheLast(TuneReportCallback):
-        def after_report(self, run_context, metrics, checkpoint):
-            if metrics[0].get("epoch") != last_epoch:
-                super().after_report(run_context, metrics, checkpoint)
+    Tune stops a trial (ASHA) by a flag its reporting thread sees when its report returns: the
+    report raises SystemExit there. One worker: that ends the trial's thread, as Tune means.
+    Several: the workers are asked to stop before their next epoch, so the run ends and frees
+    its workers, and nothing is reported again (no one would read it). Before, the Ray Train
+    run reported through Tune's one-slot queue, which no one read once the trial was stopped:
+    the run blocked on it for ever, holding its workers."""
 
-    return ReportsButTheLast()
+    def __init__(self, last_epoch: int, checkpoints: bool, continued: dict | None):
+        self.last_epoch, self.checkpoints, self.stopped = last_epoch, checkpoints, False
+        self.run_dir: Path | None = None  # a Ray Train run's folder (several workers)
+        self.continued_from_epoch = continued["epoch"] if continued else 0
+
+    def report(self, row: dict, state: dict | None = None) -> None:
+        from ray import tune
+
+        from raydp_train.train.context import request_stop
+
+        if self.stopped or row["epoch"] == self.last_epoch:
+            return
+        with tempfile.TemporaryDirectory() as folder:
+            checkpoint = self._checkpoint(state, Path(folder)) if self.checkpoints else None
+            try:
+                tune.report({**row, "stop": StopReason.RUNNING.value,
+                             "continued_from_epoch": self.continued_from_epoch},
+                            checkpoint=checkpoint)
+            except SystemExit:
+                if self.run_dir is None:
+                    raise
+                self.stopped = True
+                request_stop(self.run_dir)
+
+    def _checkpoint(self, state: dict | None, folder: Path):
+        from ray import tune
+
+        from raydp_train.train.context import newest_checkpoint, write_checkpoint
+
+        if state is not None:  # one worker: this epoch's, as a Ray Train checkpoint holds it
+            write_checkpoint(folder, state)
+            return tune.Checkpoint.from_directory(str(folder))
+        newest = newest_checkpoint(self.run_dir)  # this epoch's, or the one before
+        return None if newest is None else tune.Checkpoint.from_directory(str(newest))
+
+
+def continued_state(training) -> dict | None:
+    """The checkpoint Tune hands this trial to continue from (PBT: a trial ahead's), with this
+    trial's own learning rates and weight decays; None for a trial that starts afresh."""
+    import torch
+    from ray import tune
+
+    from raydp_train.train.context import STATE_FILE
+    from raydp_train.train.optim import with_settings
+
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as folder:
+        state = torch.load(Path(folder) / STATE_FILE)
+    return with_settings(state, training)
+
+
+def _run_dir(train_dir: Path, trial_id: str, continued: dict | None) -> Path:
+    """The trial's Ray Train run folder. Each time PBT continues the trial from another's
+    checkpoint, a new one, holding that checkpoint to resume from: its own charges start
+    empty, as the copied steps were charged to the trial that ran them."""
+    from raydp_train.train.context import write_checkpoint
+
+    if continued is None:
+        return train_dir / trial_id
+    run_dir = train_dir / f"{trial_id}-{len(list(train_dir.glob(f'{trial_id}-*'))) + 1}"
+    (run_dir / "checkpoint_continued").mkdir(parents=True)
+    write_checkpoint(run_dir / "checkpoint_continued", continued)
+    return run_dir
 
 
 def _save_trial_model(directory: Path, trial_id: str, pipeline: Pipeline, plan, result) -> None:
@@ -83,7 +177,7 @@ def _save_trial_model(directory: Path, trial_id: str, pipeline: Pipeline, plan, 
     from raydp_train.reports.run import privacy_statement, write_run_record
 
     folder = directory / MODELS / trial_id
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)  # PBT may end a trial twice
     (folder / "pipeline.yaml").write_text(dump_pipeline(pipeline))
     write_run_record(folder, pipeline, result,
                      privacy_statement(plan, result, pipeline.training.workers))

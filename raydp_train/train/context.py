@@ -24,14 +24,16 @@ from raydp_train.train.stops import StopReason
 
 
 class LocalContext:
-    """World size 1 in this process: no collectives, no checkpoints, charges kept in memory
-    (and spent from the global budget when `account` has one)."""
+    """World size 1 in this process: no collectives, charges kept in memory (and spent from
+    the global budget when `account` has one). No checkpoints of its own: a sweep's trial
+    may start from `restored` and hand each epoch's state to `on_checkpoint` (PBT)."""
 
     rank, world_size = 0, 1
     node = "this process"
 
-    def __init__(self, on_epoch=print, account: RunAccount | None = None, sharing: int = 1):
-        self.on_epoch = on_epoch
+    def __init__(self, on_epoch=print, account: RunAccount | None = None, sharing: int = 1,
+                 restored: dict | None = None, on_checkpoint=None):
+        self.on_epoch, self.on_checkpoint, self.restored = on_epoch, on_checkpoint, restored
         self.account = account or RunAccount(MemoryCharges())
         self.device = torch.device("cpu")
         self.sharing = sharing  # training processes on this machine (a sweep's trials)
@@ -69,10 +71,13 @@ class LocalContext:
         return self.account.total()
 
     def restore(self) -> dict | None:
-        return None
+        return self.restored
 
     def report(self, row: dict, state: dict) -> None:
-        self.on_epoch(row)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(row, state)
+        else:
+            self.on_epoch(row)
 
 
 class RayTrainContext:
@@ -178,16 +183,21 @@ class RayTrainContext:
             return
         append_row(self.run_dir, row)
         with tempfile.TemporaryDirectory() as directory:
-            state_file = Path(directory) / STATE_FILE
-            torch.save(state, state_file)
-            # What `newest_checkpoint` needs to tell a whole copy of this folder from a cut one.
-            progress = {"epoch": state["epoch"], "step": state["step"],
-                        "state_bytes": state_file.stat().st_size}
-            (Path(directory) / PROGRESS_FILE).write_text(json.dumps(progress))
+            write_checkpoint(Path(directory), state)
             ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
 
 STATE_FILE, PROGRESS_FILE, STOP_FILE = "state.pt", "progress.json", ".stop_requested"
+
+
+def write_checkpoint(folder: Path, state: dict) -> None:
+    """A checkpoint's files: the state, and what `newest_checkpoint` needs to tell a whole
+    copy of the folder from a cut one."""
+    state_file = folder / STATE_FILE
+    torch.save(state, state_file)
+    progress = {"epoch": state["epoch"], "step": state["step"],
+                "state_bytes": state_file.stat().st_size}
+    (folder / PROGRESS_FILE).write_text(json.dumps(progress))
 
 
 def newest_checkpoint(run_dir: str | Path) -> Path | None:

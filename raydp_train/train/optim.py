@@ -91,3 +91,19 @@ def schedule_scale(optimizer: Optimizer) -> float:
     """The schedule's current multiplier of every group's learning rate."""
     group = optimizer.param_groups[0]
     return group["lr"] / group["initial_lr"]
+
+
+def with_settings(state: dict, training) -> dict:
+    """A checkpoint's `state` with `training`'s learning rate and weight decay in each group,
+    where its schedule stands kept (each group's lr / initial_lr): a sweep's trial that PBT
+    continues from another's checkpoint trains on with its own, mutated, settings."""
+    settings = [(g.lr, g.weight_decay) for g in training.param_groups] + [(None, None)]
+    groups = state["optimizer"]["param_groups"]
+    for group, (lr, weight_decay) in zip(groups, settings):
+        initial = training.lr if lr is None else lr
+        scale = group["lr"] / group["initial_lr"] if group["initial_lr"] else 1.0
+        group.update(initial_lr=initial, lr=initial * scale, weight_decay=(
+            training.weight_decay if weight_decay is None else weight_decay))
+    state["schedule"]["base_lrs"] = [group["initial_lr"] for group in groups]
+    state["schedule"]["_last_lr"] = [group["lr"] for group in groups]
+    return state
