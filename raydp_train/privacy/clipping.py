@@ -224,7 +224,7 @@ class PerExampleClipper(LayerRecorder):
                           args: tuple) -> tuple[Tensor, list[Tensor]]:
         """One forward and backward under the hooks: the per-example losses, and the trained
         parameters that got a gradient outside their layers (stray uses)."""
-        self._calls = {}
+        self._calls, self._shared_outputs = {}, SharedOutputs()  # none left by a failed pass
         with self._ghost_differentiation():
             losses = compute_losses(*args)
             self._check_losses(losses)
