@@ -97,12 +97,8 @@ class PerExampleClipper(LayerRecorder):
         refuse_state_from_the_batch(model)
         self.layers = covered_layers(model, rules or {}, other_layers)
         self.other_layers = other_layers
-        self._records_call = {module: rule for _, module, rule in self.layers
-                              if rule.records_call}
-        # The modules without a rule of their own, by name (the run record lists them).
-        self.per_example_path = [name for name, _, rule in self.layers
-                                 if rule is PER_EXAMPLE_PATH]
-        self.shared_calls: list[str] = []  # of those, the modules called without the examples
+        self._index_rules()
+        self.shared_calls: list[str] = []  # modules on the path called without the examples
         self.ties = find_ties(self.layers)
         # A tied parameter is owned by several layers but trained (and slotted) once.
         owned = {id(p): p for _, module, _ in self.layers for p in own_trainable(module)}
@@ -168,11 +164,15 @@ class PerExampleClipper(LayerRecorder):
         finally:
             self._calls = {}
 
+    def _index_rules(self) -> None:
+        self._records_call = {m: rule for _, m, rule in self.layers if rule.records_call}
+        # The modules without a rule of their own, by name (the run record lists them).
+        self.per_example_path = [n for n, _, rule in self.layers if rule is PER_EXAMPLE_PATH]
+
     def _take_shared_path(self) -> None:
         if self._axes.shared:
             self.layers = take_shared_path(self.layers, self.ties, self._axes.shared)
-            self._records_call = {m: rule for _, m, rule in self.layers if rule.records_call}
-            self.per_example_path = [n for n, _, rule in self.layers if rule is PER_EXAMPLE_PATH]
+            self._index_rules()
             self.shared_calls = [n for n, m, _ in self.layers if m in self._axes.shared]
 
     def bind_grads(self) -> Tensor:

@@ -106,20 +106,13 @@ def _not_expandable(layers: list, compute_losses, grown: tuple, batch: int, loss
     """The one-row calls whose expansion changes the losses (the model does more than
     broadcast what they return against the examples): all of them, unless expanding them
     together keeps the losses; else those that change them alone (at least one)."""
-    if not one_row:
-        return []
-    modules = {module for _, module in one_row}
-    expanded = _probe(layers, compute_losses, grown, {}, _expander(modules, batch))
-    if expanded is not None and _same(expanded, losses):
-        return []
-    failing = [(n, m) for n, m in one_row if not _alone_keeps_losses(
-        layers, compute_losses, grown, batch, losses, m)]
-    return failing or one_row
+    def keeps_losses(modules: set) -> bool:
+        expanded = _probe(layers, compute_losses, grown, {}, _expander(modules, batch))
+        return expanded is not None and _same(expanded, losses)
 
-
-def _alone_keeps_losses(layers, compute_losses, grown, batch, losses, module) -> bool:
-    expanded = _probe(layers, compute_losses, grown, {}, _expander({module}, batch))
-    return expanded is not None and _same(expanded, losses)
+    if not one_row or keeps_losses({module for _, module in one_row}):
+        return []
+    return [(n, m) for n, m in one_row if not keeps_losses({m})] or one_row
 
 
 def _probe(layers: list, compute_losses, args: tuple, recorders: dict,

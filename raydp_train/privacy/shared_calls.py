@@ -22,7 +22,6 @@ from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError
 
 def take_shared_path(layers: list, ties: list, shared: frozenset) -> list:
     """`layers` with each shared module's rule replaced by the per-example path."""
-    changed = []
     for index, (name, module, rule) in enumerate(layers):
         if module not in shared or rule is PER_EXAMPLE_PATH:
             continue
@@ -36,7 +35,6 @@ def take_shared_path(layers: list, ties: list, shared: frozenset) -> list:
                 "and its rule keeps gradients of its own shape (LSG's carriers); freeze it")
         PER_EXAMPLE_PATH.check(module, name)
         layers[index] = (name, module, PER_EXAMPLE_PATH)
-        changed.append(name)
     named = [name for name, module, _ in layers if module in shared]
     if named:
         warnings.warn(
