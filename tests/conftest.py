@@ -2,26 +2,25 @@
 of the suite (`make test-fast` runs neither Ray nor other processes)."""
 
 import inspect
+import multiprocessing.process
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-# A test whose own source (or its module's helpers it names) does one of these starts
-# processes: the CLI in this process (it starts an embedded Ray), a subprocess, a Ray head.
-PROCESS_WORDS = ("subprocess", "Popen", 'main(["run"', "main(['run'", "run_pipeline(",
-                 "ray.init", "start_head", "ray_head", "start_cluster")
+# Markers a test declares (pytest.ini's list in pyproject.toml) that allow it to start
+# processes; `ray` is also set here on every test that uses the session's Ray.
+PROCESS_MARKERS = ("slow", "cluster", "ray")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks `ray` (uses the session's Ray) and `slow` (starts processes) on each test, checks
-    that a costly session fixture is shared within one file, puts the slow tests first."""
+    """Marks `ray` on each test that uses the session's Ray, checks that a costly session
+    fixture is shared within one file, puts the tests that start processes first."""
     for item in items:
-        if "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("cluster"):
+        if "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
-        if _starts_processes(item):
-            item.add_marker(pytest.mark.slow)
     _check_shared_within_one_file(items)
     # `make test` runs on 2 xdist workers: the longest first, so neither waits alone at the end.
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow")
@@ -29,8 +28,33 @@ def pytest_collection_modifyitems(config, items):
                else 2)
 
 
+class UndeclaredProcess(RuntimeError):
+    """A test started a process without declaring it (make test-fast would run it)."""
+
+
+@pytest.fixture(autouse=True)
+def processes_declared(request, monkeypatch):
+    """A test that starts a process (a subprocess, Ray, multiprocessing) must be marked
+    `slow` (or `cluster`, or use the session's Ray): `make test-fast` leaves those out."""
+    if any(request.node.get_closest_marker(name) for name in PROCESS_MARKERS):
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise UndeclaredProcess(f"{request.node.nodeid} starts a process: mark it "
+                                "@pytest.mark.slow (tests/conftest.py)")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    yield
+
+
 # Fixtures every worker of `make test` may start for itself: each keeps one local Ray.
 PER_WORKER_FIXTURES = {"ray_session"}
+
+# A session fixture whose source does one of these starts processes.
+PROCESS_WORDS = ("subprocess", "Popen", 'main(["run"', "main(['run'", "run_pipeline(",
+                 "ray.init", "start_head", "ray_head", "start_cluster")
 
 
 def _check_shared_within_one_file(items) -> None:
@@ -54,19 +78,6 @@ def _check_shared_within_one_file(items) -> None:
         if len(files) > 1:
             raise pytest.UsageError(f"the session fixture {name!r} starts processes and is "
                                     f"used by {sorted(files)}: keep its tests in one file")
-
-
-def _starts_processes(item) -> bool:
-    function = getattr(item, "function", None)
-    if function is None:
-        return False
-    source = inspect.getsource(function)
-    module = inspect.getmodule(function)
-    helpers = [getattr(module, name) for name in dir(module)
-               if name in source and inspect.isfunction(getattr(module, name))
-               and getattr(module, name) is not function]
-    texts = [source, *(inspect.getsource(helper) for helper in helpers)]
-    return any(word in text for text in texts for word in PROCESS_WORDS)
 
 
 @pytest.fixture(scope="session")

@@ -69,6 +69,7 @@ def test_the_guides_python_block_runs_as_written(ray_session, tmp_path, monkeypa
     assert [d.name for d in Path("runs").iterdir()] == [result.run_dir.name]  # no dir for x
 
 
+@pytest.mark.slow
 def test_the_cli_spends_what_the_api_does(ray_session, tmp_path, capsys):
     options = ["--set", "training.epochs=3", "--set", f"run.output_dir={tmp_path}"]
     assert main(["run", str(ROOT / "pipelines/quickstart.yaml"), *options]) == 0
@@ -90,6 +91,7 @@ def test_the_api_names_stay_functions_once_every_module_is_loaded():
     assert rt.Pipeline.from_yaml(ROOT / "pipelines/quickstart.yaml").name == "quickstart"
 
 
+@pytest.mark.slow
 def test_importing_the_package_imports_neither_torch_nor_ray():
     code = ("import sys, raydp_train; heavy = [m for m in ('torch', 'ray', 'transformers', "
             "'pydantic') if m in sys.modules]; print(heavy)")

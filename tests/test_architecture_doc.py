@@ -210,6 +210,7 @@ def test_the_root_holds_only_the_public_surface():
 
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the git checkout: asks git "
                     "which files a clone would lack")
+@pytest.mark.slow
 def test_git_ignores_no_module_of_the_package():
     # A clean clone lacked raydp_train/runs/__init__.py once: .gitignore's "runs/" (meant for
     # run output) matched the package of that name.

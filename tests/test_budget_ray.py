@@ -188,6 +188,7 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
     assert summary["privacy"]["epsilon"] == pytest.approx(rows[1]["running_epsilon"])
 
 
+@pytest.mark.slow
 def test_a_ledger_restored_from_an_older_copy_grants_nothing(ray_session, tmp_path, capsys):
     """The restore-from-copy reproduction: the ledger copied after one run, a second run, the copy put
     back: validate, run and tune refuse it in one line naming the witness, before any grant."""

@@ -30,6 +30,7 @@ def _sentences(path, rows: int) -> None:
                                           for i in range(rows)]}), path)
 
 
+@pytest.mark.slow
 def test_two_workers_train_save_and_generate(ray_session, tmp_path, capsys):
     _sentences(tmp_path / "train.parquet", 80)
     _sentences(tmp_path / "test.parquet", 30)

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
 from dp_accounting.rdp import RdpAccountant
 
@@ -33,12 +34,14 @@ def test_validate_calibrates_sigma_for_a_target_epsilon(capsys):
     assert 1.999 <= float(line.split()[3]) <= 2.0
 
 
+@pytest.mark.slow
 def test_bad_pipeline_exits_with_a_message_naming_the_field(capsys):
     assert main(["run", QUICKSTART, "--set", "privacy.noise_multiplier=-1"]) == 2
     err = capsys.readouterr().err
     assert "privacy.noise_multiplier: must be >= 0.001, got -1" in err
 
 
+@pytest.mark.slow
 def test_batch_larger_than_dataset_is_refused_before_training(tmp_path, capsys):
     args = ["run", QUICKSTART, "--set", "training.batch_size=5000",
             "--set", f"run.output_dir={tmp_path}"]
@@ -55,6 +58,7 @@ def test_seeded_secure_noise_is_refused_before_anything_is_written(tmp_path, cap
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_run_directory_of_another_pipeline(tmp_path, capsys):
     (tmp_path / "pipeline.yaml").write_text("name: other\n")
     assert main(["run", QUICKSTART, "--resume", str(tmp_path)]) == 2
@@ -66,6 +70,7 @@ def test_report_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
     assert "no run record" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_output_into_a_closed_pipe_ends_quietly():
     """`raydp-train report RUN | head`: the reader is gone before we write; no BrokenPipeError
     traceback. (`true` exits without reading, so every write hits a closed pipe.)"""

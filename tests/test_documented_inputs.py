@@ -224,6 +224,7 @@ KINDS = {"mlp-string-labels": ("churn", "churn_test.parquet"),
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.slow
 def test_predict_reproduces_the_runs_test_accuracy(kind, documented_run, tmp_path, capsys):
     name, test_name = KINDS[kind]
     run_dir, _ = documented_run(name)

@@ -61,6 +61,7 @@ def test_a_users_own_loop_plans_without_a_task():
     assert plan.task is None and plan.mechanism is DpSgd
 
 
+@pytest.mark.slow
 def test_a_worker_receiving_the_plan_imports_no_dp_accounting():
     """Every Ray Train worker unpickles the plan and imports the training loop; dp-accounting
     (and the scipy it loads, about 2.7 CPU s a process on 2 cores) is imported only where an

@@ -20,6 +20,9 @@ from raydp_train.commands.cli import main
 from raydp_train.config.sweep import default_ledger
 from raydp_train.models.hf_files import resolve_name_or_path
 
+# Every test here starts processes (Ray, the CLI's embedded Ray or a subprocess).
+pytestmark = pytest.mark.slow
+
 pd = pytest.importorskip("pandas", reason="the user's own tool for their table")
 transformers = pytest.importorskip("transformers", reason="a runtime dependency")
 peft = pytest.importorskip("peft", reason="a runtime dependency (DP-LoRA's adapters)")

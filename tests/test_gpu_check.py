@@ -15,6 +15,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 SST2 = ROOT.parent / "shared" / "data" / "sst2" / "train.parquet"
 
 
+@pytest.mark.slow
 def test_gpu_check_is_valid_bash_and_refuses_unknown_options():
     assert subprocess.run(["bash", "-n", str(SCRIPT)], check=False).returncode == 0
     done = subprocess.run(["bash", str(SCRIPT), "--fast"], capture_output=True, text=True,
@@ -23,6 +24,7 @@ def test_gpu_check_is_valid_bash_and_refuses_unknown_options():
 
 
 @pytest.mark.skipif(not SST2.is_file(), reason=f"the SST-2 files are not at {SST2}")
+@pytest.mark.slow
 def test_gpu_check_dry_run_runs_every_check_on_the_cpu(ray_session):
     # Its two `raydp-train run`s join the session's Ray (RAY_ADDRESS, as on a cluster) rather
     # than each starting an embedded one: two Ray starts fewer on CI's 2 cores.

@@ -134,6 +134,7 @@ MECHANISMS = {"lsg": {"lsg": {"rank": 4, "sparsity": 0.25}},
 
 
 @pytest.mark.parametrize("mechanism", list(MECHANISMS))
+@pytest.mark.slow
 def test_fine_tuning_on_two_workers_saves_a_reloadable_model(mechanism, ray_session, tmp_path,
                                                              capsys):
     _text_parquet(tmp_path / "train.parquet")

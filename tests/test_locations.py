@@ -66,6 +66,7 @@ def test_a_job_with_a_working_dir_is_recognised_by_its_job_config(tmp_path, monk
     assert job_working_dir_copy() is None  # a job without --working-dir runs where Ray started
 
 
+@pytest.mark.slow
 def test_cli_refuses_before_ray_starts_or_anything_is_written(job_copy, capsys):
     relative = ["--set", "budget.ledger=budgets"]
     assert main(["tune", SWEEP, *relative]) == 2
@@ -95,6 +96,7 @@ def test_the_default_ledger_is_one_absolute_folder_per_machine(tmp_path, monkeyp
     assert load_pipeline(SWEEP).budget.ledger == f"{tmp_path}/home/.raydp_train/budgets"
 
 
+@pytest.mark.slow
 def test_two_runs_from_two_folders_spend_from_one_ledger(ray_session, tmp_path, monkeypatch,
                                                          capsys):
     """The same pipeline (no budget.ledger) run from two folders: one budget, and the second

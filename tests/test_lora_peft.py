@@ -15,6 +15,9 @@ from text_files import MINILM, text_pipeline
 from raydp_train.commands.cli import main
 from raydp_train.models.hf_files import resolve_name_or_path
 
+# Every test here starts processes (Ray, the CLI's embedded Ray or a subprocess).
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers", reason="transformers is a runtime dependency")
 peft = pytest.importorskip("peft", reason="peft is a runtime dependency (DP-LoRA's adapters)")
 

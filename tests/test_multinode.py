@@ -25,6 +25,7 @@ SST2 = ROOT.parent / "shared" / "data" / "sst2"
 
 # The two tests that kill nodes make clusters of their own. They come first: the module's
 # shared cluster, made on first use below, would idle through them at 12% of a core.
+@pytest.mark.slow
 def test_a_worker_node_killed_mid_run_resumes_on_the_nodes_left(tmp_path):
     """kill -9 every process of the node holding rank 1: the run restarts from its newest
     checkpoint on the head alone (SPREAD, not STRICT), finishes every epoch, and both its own
@@ -71,6 +72,7 @@ def test_a_worker_node_killed_mid_run_resumes_on_the_nodes_left(tmp_path):
         nodes.stop()
 
 
+@pytest.mark.slow
 def test_the_head_killed_mid_sweep_loses_no_charge_and_a_new_sweep_stays_in_budget(tmp_path):
     """kill -9 the head node (driver, GCS, budget actor, a trial) mid-sweep; on a new head over
     the same ledger, `budget status` counts every charge made before the kill (open
@@ -128,6 +130,7 @@ def record_of(output_dir: Path) -> dict:
     return json.loads((run_dir / "record.json").read_text())
 
 
+@pytest.mark.slow
 def test_two_workers_on_two_nodes_train_as_two_workers_on_one(cluster, ray_session, tmp_path):
     """A job submitted from a machine outside the cluster (`ray job submit` to the head's
     dashboard, the repository as its working dir): STRICT_SPREAD puts one worker on each node;
@@ -165,6 +168,7 @@ def test_two_workers_on_two_nodes_train_as_two_workers_on_one(cluster, ray_sessi
 
 
 @pytest.mark.skipif(not SST2.is_dir(), reason=f"SST-2 is not at {SST2} (shared data absent)")
+@pytest.mark.slow
 def test_an_sst2_subset_on_two_nodes_reads_a_shard_on_each_and_trains_as_on_one(cluster,
                                                                                ray_session,
                                                                                tmp_path):

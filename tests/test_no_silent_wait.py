@@ -13,6 +13,7 @@ from raydp_train.runs import resources, waits
 from raydp_train.runs.resources import ResourceError
 
 
+@pytest.mark.slow
 def test_strict_spread_with_fewer_nodes_than_workers_is_one_line(ray_session, tmp_path, capsys):
     started = time.monotonic()
     code = main(["run", "pipelines/quickstart.yaml", "--set", "training.workers=2",
@@ -27,6 +28,7 @@ def test_strict_spread_with_fewer_nodes_than_workers_is_one_line(ray_session, tm
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_a_resource_no_node_has_is_one_line_before_any_budget(ray_session, tmp_path, capsys):
     """The session's embedded Ray has CPUs only: a custom resource per worker, a GPU or a GPU
     model would be waited for ever by Ray Train; each is refused before the budget opens."""
@@ -133,7 +135,7 @@ def test_an_embedded_ray_that_did_not_start_is_tried_once_more(monkeypatch, caps
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(resources, "check_cluster", lambda training: None)
     monkeypatch.delenv("RAY_gcs_server_port_wait_time_s", raising=False)
-    training = type("Training", (), {"use_gpu": False})()
+    training = type("Training", (), {"use_gpu": False, "workers": 1})()
     outcomes = 2  # the second start works
     resources.connect(None, training, 4)
     assert tries == [None, "90"]

@@ -288,6 +288,7 @@ def test_a_checkpoint_of_other_groups_is_refused():
         ours.load_state_dict(other.state_dict())
 
 
+@pytest.mark.slow
 def test_a_run_imports_neither_transformers_nor_torchs_compiler():
     """torch's optimizers import torch._dynamo (and sympy) on first use, and HF's schedules
     transformers: seconds of CPU in every worker of every run. A fresh process that builds

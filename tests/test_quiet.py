@@ -30,6 +30,7 @@ def fresh_process(*args: str, cwd=None) -> subprocess.CompletedProcess:
                           text=True, timeout=600, check=False)
 
 
+@pytest.mark.slow
 def test_a_two_worker_text_run_prints_our_lines_only(tmp_path):
     """Ray Data tokenizes, transformers loads and saves the pretrained MiniLM, an embedded Ray
     starts (with token authentication on): the console shows none of it. Nor does the raylet
@@ -60,6 +61,7 @@ build_hf_model(HFModel(kind="hf", name_or_path="{MINILM}", num_labels=2), 2)
 """
 
 
+@pytest.mark.slow
 def test_verbose_leaves_transformers_its_load_report():
     quiet, verbose = (fresh_process("-c", BUILD_MINILM, mode) for mode in ("quiet", "verbose"))
     assert quiet.returncode == 0 and verbose.returncode == 0, quiet.stderr + verbose.stderr

@@ -61,6 +61,7 @@ def test_ray_datasets_train_as_the_same_rows_in_parquet(ray_session, tmp_path):
     assert pq.read_table(saved["validation"]["path"]).equals(dev)
 
 
+@pytest.mark.slow
 def test_a_ray_dataset_pipeline_without_its_rows_is_refused_by_name(tmp_path, capsys,
                                                                    monkeypatch):
     import raydp_train.runs.resources

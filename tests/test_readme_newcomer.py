@@ -21,6 +21,9 @@ from doc_blocks import marked_block
 from raydp_train.commands.cli import main
 from raydp_train.models.predictions import predict
 
+# Every test here starts processes (Ray, the CLI's embedded Ray or a subprocess).
+pytestmark = pytest.mark.slow
+
 BIN = Path(sys.executable).parent
 FILES = ("make_data.py", "model.py", "patients.yaml")
 

@@ -71,6 +71,7 @@ def _driver_of(run_dir) -> subprocess.Popen:
     return driver
 
 
+@pytest.mark.slow
 def test_a_run_whose_driver_still_runs_is_never_taken_over(pipeline):
     run_dir = new_run_dir(pipeline)
     driver = _driver_of(run_dir)
@@ -94,6 +95,7 @@ def test_the_driver_marker_goes_however_the_run_ends(pipeline):
     assert (run_dir / DRIVER).read_text() == "" and not _live_driver(run_dir)
 
 
+@pytest.mark.slow
 def test_a_second_driver_on_a_run_directory_is_refused_before_it_charges(pipeline):
     """The mark is taken exclusively: a driver that passed run_to_continue just before the
     first one marked the directory (or came with --resume) is refused at the mark. Two
@@ -120,6 +122,7 @@ def test_a_finished_run_is_not_resumed(pipeline):
         resumed_run_dir(run_dir, pipeline)
 
 
+@pytest.mark.slow
 def test_new_and_resume_cannot_both_be_given(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["run", QUICKSTART, "--new", "--resume", "runs/x"])

@@ -30,12 +30,14 @@ def refused(tmp_path, *args: str) -> tuple[str, float]:
     return done.stderr, elapsed
 
 
+@pytest.mark.slow
 def test_gpu_asked_without_a_gpu_is_one_line_in_seconds(tmp_path):
     err, elapsed = refused(tmp_path, "--set", "training.use_gpu=true")
     assert err.startswith("error: training.use_gpu: true") and err.count("\n") == 1, err
     assert elapsed < GENEROUS_S
 
 
+@pytest.mark.slow
 def test_dead_address_is_one_line_in_seconds(tmp_path):
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
@@ -57,12 +59,14 @@ def test_addresses_are_probed_at_ray_s_ports(address, expected):
     assert _host_port(address) == expected
 
 
+@pytest.mark.slow
 def test_a_port_that_is_not_a_number_is_refused():
     with pytest.raises(ResourceError, match="expected HOST:PORT"):
         _host_port("head:abc")
 
 
 @pytest.mark.parametrize("address", [None, "127.0.0.1:6379"])
+@pytest.mark.slow
 def test_ray_failing_to_start_is_one_line_with_what_to_try(address, monkeypatch, capsys):
     """`ray.init` raising, as on a busy machine (Ray's own words), is one `error:` line, exit
     2, before anything is spent; no traceback from inside Ray. An embedded Ray is tried once
@@ -128,6 +132,7 @@ def test_more_workers_than_cpus_is_one_line_before_ray_starts(monkeypatch, capsy
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_more_gpu_workers_than_gpus_is_refused_before_ray_starts(monkeypatch, capsys):
     import torch
 

@@ -143,6 +143,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_validate_checks_a_pretrained_text_pipeline_without_ray_or_weights(tmp_path):
     import json
     import subprocess
@@ -198,6 +199,7 @@ def test_validate_checks_a_pretrained_text_pipeline_without_ray_or_weights(tmp_p
     assert "training.param_groups" in refused.stderr and "Traceback" not in refused.stderr
 
 
+@pytest.mark.slow
 def test_validate_without_check_model_imports_neither_torch_nor_transformers(tmp_path):
     """What makes it fast (benchmarks/RESULTS.md, validate's time): the whole command, the
     model's file checks included, runs without the two imports that take seconds."""
@@ -254,6 +256,7 @@ def die() -> None:
     os._exit(7)
 
 
+@pytest.mark.slow
 def test_a_forked_check_reports_its_error_or_its_death():
     from raydp_train.checks.preflight import _forked
 
@@ -312,6 +315,7 @@ print(plan.steps, heavy)
 """
 
 
+@pytest.mark.slow
 def test_validate_checks_data_plan_and_tokenizer_without_torch(tmp_path):
     import subprocess
     import sys
@@ -360,6 +364,7 @@ for overrides in sys.argv[2:]:
 """
 
 
+@pytest.mark.slow
 def test_a_passed_model_check_is_remembered_until_what_it_read_changes(tmp_path, monkeypatch):
     """validate skips a model check that passed for exactly these inputs, in this process or a
     later one (passed_checks); an edit of the pipeline, of the model's config.json, of a
