@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raydp_train.commands.console import epoch_printer, progress_printer
 from raydp_train.config.pipeline import Pipeline, PipelineError
+from raydp_train.reports.console import epoch_printer, progress_printer
 from raydp_train.reports.trackers import check_loggers
 from raydp_train.train.stops import StopReason
 

@@ -170,7 +170,7 @@ def test_the_module_map_names_exactly_the_package_modules():
     assert not mapped - modules, f"the map names modules that are gone: {sorted(mapped - modules)}"
 
 
-LAYER_LINE = re.compile(r"^(\d+)\. [\w ]+: (.+)$", re.MULTILINE)
+LAYER_LINE = re.compile(r"^(\d+)\. (?:[\w ]+: )?(.+)$", re.MULTILINE)
 
 
 def layers(doc: str) -> dict[str, int]:
@@ -223,6 +223,18 @@ def test_git_ignores_no_module_of_the_package():
 def test_no_module_imports_up_from_a_lower_layer():
     problems = upward_imports(import_graph(PACKAGE), layers(DOC.read_text()))
     assert not problems, f"against the layer order of ARCHITECTURE.md §3: {problems}"
+
+
+def test_each_layer_is_one_folder_or_one_root_module():
+    lines = LAYER_LINE.findall(module_map(DOC.read_text()))
+    entries = [re.findall(r"`([\w/*]+)`", names) for _, names in lines]
+    not_one = [names for names in entries if len(names) != 1]
+    assert not not_one, f"one folder (or root module) per layer line: {not_one}"
+    modules_named = [name for (name,) in entries if "/" in name and not name.endswith("/*")]
+    assert not modules_named, f"name the folder, not its modules: {modules_named}"
+    folders = {path.name for path in PACKAGE.iterdir()
+               if path.is_dir() and path.name != "__pycache__"}
+    assert folders == {name[:-2] for (name,) in entries if name.endswith("/*")}
 
 
 def test_an_upward_import_and_an_unplaced_module_are_caught():

@@ -160,8 +160,8 @@ def test_text_without_a_label_column_gets_placeholder_labels(tmp_path):
 
 
 def test_a_causal_lm_reports_loss_and_perplexity_instead_of_accuracy():
-    from raydp_train.commands.console import held_out_text
     from raydp_train.data.targets import LABEL_KINDS
+    from raydp_train.reports.console import held_out_text
     from raydp_train.reports.run import metrics_table
     from raydp_train.train.tasks import LabelTask, NextTokens
 

@@ -101,9 +101,9 @@ def test_a_model_that_never_took_a_step_is_not_for_release():
 def test_the_summary_says_which_noise_a_run_used(capsys):
     from types import SimpleNamespace
 
-    from raydp_train.commands.console import print_summary
     from raydp_train.config.pipeline import load_pipeline
     from raydp_train.privacy.noise import NOISE_SOURCES
+    from raydp_train.reports.console import print_summary
     from raydp_train.reports.run import privacy_statement
     from raydp_train.train.plan import make_plan
 

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import torch
 
-from raydp_train.commands.console import epoch_printer, progress_printer
 from raydp_train.config.pipeline import pipeline_from_dict
+from raydp_train.reports.console import epoch_printer, progress_printer
 from raydp_train.train import trainer, worker
 from raydp_train.train.context import LocalContext
 from raydp_train.train.plan import make_plan

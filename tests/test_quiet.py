@@ -13,7 +13,7 @@ import pytest
 from text_files import MINILM, text_pipeline
 
 from raydp_train.commands.cli import _parser
-from raydp_train.runs.quiet import QUIET_ENVIRONMENT
+from raydp_train.train.quiet import QUIET_ENVIRONMENT
 
 THIRD_PARTY_LINES = ("Token authentication", "Started a local Ray instance", "LOAD REPORT",
                      "Loading weights", "Writing model shards", "Progress bars",
@@ -53,7 +53,7 @@ def test_a_two_worker_text_run_prints_our_lines_only(tmp_path):
 
 BUILD_MINILM = f"""
 import sys
-from raydp_train.runs.quiet import quiet_third_party
+from raydp_train.train.quiet import quiet_third_party
 quiet_third_party(verbose=sys.argv[1] == "verbose")
 from raydp_train.models.hf import build_hf_model
 from raydp_train.config.pipeline import HFModel

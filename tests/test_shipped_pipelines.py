@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from raydp_train.accounting.epsilon import composed_epsilon
+from raydp_train.checks.sweep_spending import random_stopping_spend, worst_trial_spend
 from raydp_train.config.pipeline import load_pipeline
-from raydp_train.sweeps.spending import random_stopping_spend, worst_trial_spend
 from raydp_train.train.plan import make_plan
 
 PIPELINES = sorted((Path(__file__).parents[1] / "pipelines").glob("*.yaml"))

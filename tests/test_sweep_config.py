@@ -7,10 +7,10 @@ from dp_accounting import rdp
 from sweep_draws import drawn
 
 from raydp_train.checks.preflight import check_pipeline
+from raydp_train.checks.sweep_spending import random_stopping_spend, worst_trial_spend
 from raydp_train.config.pipeline import PipelineError, load_pipeline
 from raydp_train.errors import UserError
 from raydp_train.sweeps.search import search_algorithm
-from raydp_train.sweeps.spending import random_stopping_spend, worst_trial_spend
 
 SWEEP = "pipelines/sweep_digits.yaml"
 
@@ -91,7 +91,7 @@ def test_bad_sweep_settings_are_refused_naming_the_field(overrides, expected):
 
 
 def test_a_uniform_range_may_start_at_zero_where_its_field_allows_it():
-    from raydp_train.sweeps.spending import check_search_space
+    from raydp_train.checks.sweep_spending import check_search_space
 
     space = "tune.search_space={privacy.lsg.sparsity: {uniform: [0.0, 0.5]}}"
     sparsity = load_pipeline(SWEEP, ["privacy.mechanism=lsg", space])
@@ -222,12 +222,12 @@ def test_an_adaptive_search_is_seeded_by_run_seed(search):
 def test_a_search_without_its_package_is_one_line_naming_the_extra(monkeypatch):
     import importlib.util
 
-    from raydp_train.sweeps import search as search_module
-    from raydp_train.sweeps.spending import check_search_space
+    from raydp_train.checks import sweep_spending
+    from raydp_train.checks.sweep_spending import check_search_space
 
     pipeline = load_pipeline(SWEEP, ["tune.search=optuna"])
     found = importlib.util.find_spec
-    monkeypatch.setattr(search_module.importlib.util, "find_spec",
+    monkeypatch.setattr(sweep_spending.importlib.util, "find_spec",
                         lambda name, *a: None if name == "optuna" else found(name, *a))
     with pytest.raises(UserError) as caught:
         check_search_space(pipeline, check_pipeline(pipeline, for_training=False)[1])
@@ -291,8 +291,8 @@ def test_a_searched_batch_size_and_epochs_are_bounded_by_one_costliest_trial(noi
 def test_warmup_must_fit_the_trial_with_the_fewest_steps():
     """Each searched field's extremes pass alone, but the smallest number of epochs at the
     largest batch runs fewer steps than warmup_steps: refused before any budget is touched."""
+    from raydp_train.checks.sweep_spending import check_search_space
     from raydp_train.config.training import TrainingSetupError
-    from raydp_train.sweeps.spending import check_search_space
 
     space = "tune.search_space={training.batch_size: {choice: [64, 512]}, training.epochs: {choice: [1, 8]}}"
     pipeline = load_pipeline(SWEEP, [space, "training.warmup_steps=3"])

@@ -58,7 +58,7 @@ def _sweep_spend(pipeline: Pipeline, plan: PrivacyPlan) -> Spend:
 
 def sweep_spending(pipeline: Pipeline, plan: PrivacyPlan) -> tuple[Spend, float, str]:
     """(what the whole search spends at most, its epsilon, how it is counted)."""
-    from raydp_train.sweeps.spending import (
+    from raydp_train.checks.sweep_spending import (
         check_search_space,
         random_stopping_spend,
         trial_count,
@@ -126,7 +126,7 @@ def _payable(book: BudgetBook, what: str, spend: Spend) -> bool:
 def _sweep_payable(book: BudgetBook, pipeline: Pipeline, plan: PrivacyPlan, sweep: Spend) -> bool:
     """A random-stopping sweep is paid in full or not at all; trials of a composition sweep
     are paid one by one, and those the budget cannot pay stop "budget exhausted"."""
-    from raydp_train.sweeps.spending import trial_count, trials_spend
+    from raydp_train.checks.sweep_spending import trial_count, trials_spend
 
     if pipeline.tune.selection == "random_stopping" or _propose(book, sweep).granted:
         return _payable(book, "the sweep", sweep)

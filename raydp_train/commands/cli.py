@@ -12,13 +12,13 @@ import traceback
 from pathlib import Path
 
 from raydp_train.commands.budget import add_budget_command
-from raydp_train.commands.console import baselines_text, print_summary
 from raydp_train.commands.generate import add_generate_command
 from raydp_train.config.pipeline import load_pipeline
 from raydp_train.errors import UserError
 from raydp_train.models.predictions import add_predict_command
-from raydp_train.runs.quiet import quiet_third_party
+from raydp_train.reports.console import baselines_text, print_summary
 from raydp_train.runs.worker_errors import WorkerBug
+from raydp_train.train.quiet import quiet_third_party
 from raydp_train.train.stops import StopReason
 
 # `run` and `tune` exit with this when the global budget refused to let them finish.

@@ -22,7 +22,6 @@ from ray.train import DataConfig
 from raydp_train.data.columns import numeric_rows, text_labels
 from raydp_train.data.parquet_reads import read_parquet
 from raydp_train.data.text import tokenize_texts
-from raydp_train.models.hf_files import tokenizer_source
 
 # The most rows per block (the unit shards are made of), and the rows per batch a worker
 # reads while it materializes its shard.
@@ -100,12 +99,13 @@ class ShardEveryRow(DataConfig):
 
 
 def materialize(shard, pipeline, split: str, feature_shape: tuple[int, ...],
-                labels_as: tuple = (np.int64, ())) -> tuple[np.ndarray, np.ndarray]:
+                labels_as: tuple = (np.int64, ()), tokenizer: str | None = None,
+                ) -> tuple[np.ndarray, np.ndarray]:
     """A worker's whole shard of `split` (a Ray Data iterator) as (features, labels) arrays,
-    tokenized here; the labels of `labels_as`'s (dtype, one row's shape):
-    targets.LabelKind.label_array."""
+    text tokenized here with `tokenizer` (models.hf_files.tokenizer_source); the labels of
+    `labels_as`'s (dtype, one row's shape): targets.LabelKind.label_array."""
     dtype, label_shape = labels_as
-    path, tokenizer = file_splits(pipeline.data)[split], tokenizer_source(pipeline.model)
+    path = file_splits(pipeline.data)[split]
     features, labels = [], []
     for batch in shard.iter_batches(batch_size=BATCH_ROWS, batch_format="pyarrow"):
         batch_features, batch_labels = shard_rows(batch, pipeline.data, path, tokenizer)

@@ -93,7 +93,7 @@ def check_cluster(training) -> None:
     """After joining Ray: some live node can hold a worker (its CPU, or GPU and GPU model, and
     custom resources: Ray would wait for such a node for ever), the live nodes can hold them
     all, and with strict_spread each on a node of its own. Counted from the nodes' totals: a
-    busy node frees its resources later, and runs/waits.py says such a wait."""
+    busy node frees its resources later, and train/waits.py says such a wait."""
     import ray
 
     bundle, workers = training.worker_bundle(), training.workers

@@ -26,17 +26,17 @@ from pathlib import Path
 
 from raydp_train.budget.ledger import as_uri
 from raydp_train.checks.preflight import check_pipeline
-from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
-from raydp_train.runs.worker_errors import user_error_in
-from raydp_train.sweeps.best_alone import best_alone
-from raydp_train.sweeps.progress import progress_printer
-from raydp_train.sweeps.search import param_space, scheduler, search_algorithm
-from raydp_train.sweeps.spending import (
+from raydp_train.checks.sweep_spending import (
     check_search_space,
     draw_trial_count_of,
     first_refusal,
     random_stopping_spend,
 )
+from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
+from raydp_train.runs.worker_errors import user_error_in
+from raydp_train.sweeps.best_alone import best_alone
+from raydp_train.sweeps.progress import progress_printer
+from raydp_train.sweeps.search import param_space, scheduler, search_algorithm
 from raydp_train.sweeps.trial import MODELS, ending_its_run, run_trial
 from raydp_train.train.stops import REFUSALS, StopReason
 

@@ -1,5 +1,5 @@
 """Which configuration each trial of a sweep runs (`tune.search`), through Ray Tune's own search
-algorithms, seeded by `run.seed`; whether the package an adaptive one needs is installed; and
+algorithms, seeded by `run.seed`; and
 which trials Tune stops or changes on the way (`tune.scheduler`).
 
 `random` and `grid` draw every trial up front (Tune's BasicVariantGenerator); `optuna`,
@@ -11,24 +11,11 @@ covers independent draws only, so the schema allows it `random` alone.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
+from raydp_train.checks.sweep_spending import check_search_installed
 from raydp_train.config.pipeline import Pipeline
 from raydp_train.config.sweep import PLAN_FIELDS, WHOLE_NUMBERS
-from raydp_train.config.training import TrainingSetupError
-
-EXTRA = "search"  # pyproject.toml's extra with the adaptive searchers' packages
-MODULES = {"optuna": "optuna", "hyperopt": "hyperopt", "bayesopt": "bayes_opt"}
-
-
-def check_search_installed(search: str) -> None:
-    """One line naming the extra when an adaptive search's package is missing."""
-    module = MODULES.get(search)
-    if module is not None and importlib.util.find_spec(module) is None:
-        raise TrainingSetupError(
-            f"tune.search: {search} needs the {module!r} package, which is not installed: "
-            f"pip install 'raydp-train[{EXTRA}]' (or choose search: random)")
 
 
 def search_algorithm(pipeline: Pipeline):

@@ -19,13 +19,13 @@ from raydp_train.config.pipeline import Pipeline, pipeline_from_dict
 from raydp_train.data.shards import ShardEveryRow, file_splits, split_datasets
 from raydp_train.data.sources import load_data
 from raydp_train.models.hf_files import tokenizer_source
-from raydp_train.runs.quiet import ray_logging_level
-from raydp_train.runs.waits import watch_waits
 from raydp_train.train.charges import Charged, ChargeLedger, RunAccount, epsilon_cap
 from raydp_train.train.context import RayTrainContext, clear_stop, request_stop, stop_requested
 from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.progress_lines import RowReader
+from raydp_train.train.quiet import ray_logging_level
 from raydp_train.train.result import TrainResult
+from raydp_train.train.waits import watch_waits
 from raydp_train.train.worker import train
 
 
@@ -137,7 +137,7 @@ def fit(
 
 def _reporters(rows: RowReader, on_epoch, on_progress, stop: threading.Event) -> list:
     """The driver's threads while the workers run: their rows shown, a wait for resources
-    said (runs/waits.py), until `stop`."""
+    said (train/waits.py), until `stop`."""
     printer = threading.Thread(target=_print_progress, daemon=True,
                                args=(rows, on_epoch, on_progress, stop))
     printer.start()

@@ -266,9 +266,9 @@ def _local_rows(pipeline, context, dataset, data_shape):
     if shards is not None:
         from raydp_train.data.shards import materialize
 
-        feature_shape, num_classes = data_shape
+        (feature_shape, num_classes), tokenizer = data_shape, tokenizer_source(pipeline.model)
         labels = label_kind(pipeline.data).label_array(num_classes)
-        splits = {name: materialize(shard, pipeline, name, feature_shape, labels)
+        splits = {name: materialize(shard, pipeline, name, feature_shape, labels, tokenizer)
                   for name, shard in shards.items()}
         return Dataset(*splits["train"], *splits["test"], num_classes,
                        *splits.get("validation", (None, None))).to_torch()

@@ -1,9 +1,11 @@
 """What a sweep may spend, known before any trial (ARCHITECTURE.md §2.7): the search space
 checked at its extremes, the worst trial it allows, the composed trials or random stopping's
-one reservation, and whether the budget can pay the first of them."""
+one reservation, whether the budget can pay the first of them, and whether the package an
+adaptive search needs is installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import os
@@ -16,9 +18,19 @@ from raydp_train.budget.terms import Spend
 from raydp_train.checks.preflight import check_pipeline
 from raydp_train.config.pipeline import Pipeline, pipeline_from_dict
 from raydp_train.config.training import TrainingSetupError
-from raydp_train.sweeps.search import check_search_installed
 
 SPEND_FIELDS = ("training.batch_size", "training.epochs")  # with sigma: what a trial spends
+EXTRA = "search"  # pyproject.toml's extra with the adaptive searchers' packages
+MODULES = {"optuna": "optuna", "hyperopt": "hyperopt", "bayesopt": "bayes_opt"}
+
+
+def check_search_installed(search: str) -> None:
+    """One line naming the extra when an adaptive search's package is missing."""
+    module = MODULES.get(search)
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise TrainingSetupError(
+            f"tune.search: {search} needs the {module!r} package, which is not installed: "
+            f"pip install 'raydp-train[{EXTRA}]' (or choose search: random)")
 
 
 def check_search_space(pipeline: Pipeline, plan) -> None:
