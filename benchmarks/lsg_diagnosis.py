@@ -26,8 +26,8 @@ from prefix_cache import tokenized
 from raydp_train.config.pipeline import load_pipeline
 from raydp_train.data.sources import Dataset
 from raydp_train.models.builders import build_model
+from raydp_train.optim.optimizer import named_trainable
 from raydp_train.train.context import LocalContext
-from raydp_train.train.optim import named_trainable
 from raydp_train.train.plan import make_plan
 from raydp_train.train.worker import train
 

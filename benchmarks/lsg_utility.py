@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from raydp_train.config.pipeline import load_pipeline
 from raydp_train.data.sources import load_data
 from raydp_train.models.builders import build_model
+from raydp_train.optim.optimizer import make_optimizer
 from raydp_train.train.context import LocalContext
 from raydp_train.train.evaluation import accuracy
-from raydp_train.train.optim import make_optimizer
 from raydp_train.train.plan import make_plan
 from raydp_train.train.worker import train
 

@@ -1,4 +1,4 @@
-"""AdamW's cost in a private step: the package's own single-tensor AdamW (train/updates.py,
+"""AdamW's cost in a private step: the package's own single-tensor AdamW (optim/updates.py,
 chosen to spare each worker torch's optimizer import) against torch's `AdamW(foreach=True)`,
 on the Llama decoder of benchmarks/llama_step.py and the pretrained MiniLM of
 benchmarks/hf_minilm.py.
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from raydp_train.optim.updates import AdamW
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.train.step import cross_entropy_loss, private_step
-from raydp_train.train.updates import AdamW
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_minilm import minilm_workload
@@ -100,7 +100,7 @@ optimizer = {make}
 optimizer.step()
 print(time.process_time() - start)
 """
-FIRST_USES = {"ours (single-tensor AdamW)": ("from raydp_train.train.updates import AdamW",
+FIRST_USES = {"ours (single-tensor AdamW)": ("from raydp_train.optim.updates import AdamW",
                                              "AdamW([{'params': [parameter]}])"),
               "torch AdamW(foreach=True)": ("", "torch.optim.AdamW([parameter], foreach=True)")}
 

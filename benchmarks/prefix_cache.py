@@ -32,10 +32,10 @@ from raydp_train.data.text import tokenize_texts
 from raydp_train.models.builders import build_model
 from raydp_train.models.hf_files import resolve_name_or_path
 from raydp_train.models.hf_prefix import FrozenPrefix, cached_prefix_loss
+from raydp_train.optim.optimizer import make_optimizer
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.sampling import micro_batches
 from raydp_train.train.context import LocalContext
-from raydp_train.train.optim import make_optimizer
 from raydp_train.train.plan import make_plan
 from raydp_train.train.step import cross_entropy_loss, private_step
 from raydp_train.train.worker import train

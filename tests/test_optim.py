@@ -15,19 +15,19 @@ from transformers import get_scheduler
 from raydp_train.config.pipeline import PipelineError, pipeline_from_dict
 from raydp_train.data.sources import load_data
 from raydp_train.models.builders import build_model
-from raydp_train.privacy.mechanism import LowRankSparse
-from raydp_train.train.context import LocalContext
-from raydp_train.train.optim import (
+from raydp_train.optim.optimizer import (
     OPTIMIZERS,
     TrainingSetupError,
     make_optimizer,
     make_schedule,
     with_settings,
 )
+from raydp_train.optim.schedules import Schedule
+from raydp_train.optim.updates import SGD
+from raydp_train.privacy.mechanism import LowRankSparse
+from raydp_train.train.context import LocalContext
 from raydp_train.train.plan import make_plan
-from raydp_train.train.schedules import Schedule
 from raydp_train.train.step import cross_entropy_loss, private_step
-from raydp_train.train.updates import SGD
 from raydp_train.train.worker import train
 
 # 200 synthetic rows -> N = 160; batch 32 -> q = 0.2: 5 steps per epoch.
@@ -299,7 +299,7 @@ import torch
 from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.data.sources import load_data
 from raydp_train.models.builders import build_model
-from raydp_train.train.optim import make_optimizer, make_schedule
+from raydp_train.optim.optimizer import make_optimizer, make_schedule
 from raydp_train.train.step import DP_SGD, cross_entropy_loss, private_step
 data = load_data(pipeline_from_dict({BASE!r}).data).to_torch()
 for name in ("sgd", "adam", "adamw"):

@@ -9,8 +9,8 @@ import torch
 import raydp_train as rt
 from raydp_train.config.pipeline import PipelineError, pipeline_from_dict
 from raydp_train.data.sources import load_data
+from raydp_train.optim.optimizer import make_optimizer
 from raydp_train.train.context import LocalContext
-from raydp_train.train.optim import make_optimizer
 from raydp_train.train.plan import make_plan
 from raydp_train.train.worker import train
 

@@ -33,7 +33,7 @@ def check_text_model(pipeline: Pipeline) -> None:
     """validate's checks of a text model, which need no data: token ids and masks of
     `max_length`, and a head of `num_labels` outputs (2 when the data will say; no check
     depends on the head's size; the tokenizer is checked apart)."""
-    from raydp_train.train.optim import make_optimizer
+    from raydp_train.optim.optimizer import make_optimizer
 
     model = check_model(pipeline, (2, pipeline.data.max_length),
                         pipeline.model.num_classes or 2, for_training=False)
@@ -176,6 +176,6 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
 
 def check_schedule(model: nn.Module, pipeline: Pipeline, steps: int) -> None:
     """The optimizer's parameter groups fit the model, and the schedule the run's steps."""
-    from raydp_train.train.optim import make_optimizer, make_schedule
+    from raydp_train.optim.optimizer import make_optimizer, make_schedule
 
     make_schedule(make_optimizer(model, pipeline.training), pipeline.training, steps)

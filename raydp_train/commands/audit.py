@@ -39,11 +39,11 @@ from raydp_train.accounting.audit_bounds import (
 from raydp_train.accounting.epsilon import epsilon_spent
 from raydp_train.data.targets import ClassIds, label_kind
 from raydp_train.models.builders import ModelError, build_model
+from raydp_train.optim.optimizer import make_optimizer
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.mechanism import MECHANISMS, mechanism_named
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
-from raydp_train.train.optim import make_optimizer
 from raydp_train.train.plan import PlanError, PrivacyPlan
 from raydp_train.train.step import cross_entropy_loss, private_step
 

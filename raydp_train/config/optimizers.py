@@ -1,5 +1,5 @@
 """What `training.optimizer` may name, and `training.optimizer_options` pass: this package's
-own single-tensor loops (sgd, adam, adamw: train/updates.py, which spare each worker torch's
+own single-tensor loops (sgd, adam, adamw: optim/updates.py, which spare each worker torch's
 optimizer import) or any `torch.optim` class by its name (AdamW, RAdam, ...), with that
 class's keyword arguments (`foreach`, `fused`, `betas`, ...). Checked when the pipeline is
 read, each problem one line naming the field; torch is imported only to check a torch name.

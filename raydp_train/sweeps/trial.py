@@ -146,8 +146,8 @@ def continued_state(training) -> dict | None:
     import torch
     from ray import tune
 
+    from raydp_train.optim.optimizer import with_settings
     from raydp_train.train.context import STATE_FILE
-    from raydp_train.train.optim import with_settings
 
     checkpoint = tune.get_checkpoint()
     if checkpoint is None:

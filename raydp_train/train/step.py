@@ -12,11 +12,11 @@ import torch
 from torch import Tensor, nn
 
 from raydp_train.errors import UserError
+from raydp_train.optim.updates import Optimizer
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.mechanism import DpSgd, Mechanism
 from raydp_train.privacy.noise import fill_gaussian_noise_
 from raydp_train.train.engine_checks import EngineChecks
-from raydp_train.train.updates import Optimizer
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 Precision = Literal["fp32", "bf16"]

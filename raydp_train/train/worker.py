@@ -17,13 +17,13 @@ from raydp_train.data.targets import label_kind
 from raydp_train.models.builders import build_model
 from raydp_train.models.frozen_precision import keep_frozen_in
 from raydp_train.models.hf_files import tokenizer_source
+from raydp_train.optim.optimizer import make_optimizer, make_schedule, schedule_scale
 from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train import evaluation
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
 from raydp_train.train.engine_checks import EngineChecks
-from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
 from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.result import TrainResult
 from raydp_train.train.step import AUTOCAST_DTYPES, private_step

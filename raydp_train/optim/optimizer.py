@@ -18,8 +18,8 @@ from torch import nn
 
 from raydp_train.config.optimizers import OWN_OPTIMIZERS, keywords_of
 from raydp_train.config.training import TrainingSetupError
-from raydp_train.train.schedules import Schedule
-from raydp_train.train.updates import SGD, Adam, AdamW, Optimizer
+from raydp_train.optim.schedules import Schedule
+from raydp_train.optim.updates import SGD, Adam, AdamW, Optimizer
 
 OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 
