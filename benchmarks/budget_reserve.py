@@ -23,7 +23,7 @@ from raydp_train.budget.actor import open_budget
 from raydp_train.budget.book import replay
 from raydp_train.budget.ledger import BudgetLedger
 from raydp_train.budget.terms import BudgetTerms, Spend
-from raydp_train.config.sweep import BudgetConfig
+from raydp_train.config.budget import BudgetConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_overhead import cpu_wait_seconds, write_section

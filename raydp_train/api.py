@@ -221,8 +221,8 @@ def open_budget(name: str, epsilon: float, delta: float, *, ledger: str | None =
     from pydantic import ValidationError
 
     from raydp_train.budget.actor import open_budget as open_actor
+    from raydp_train.config.budget import BudgetConfig
     from raydp_train.config.errors import describe
-    from raydp_train.config.sweep import BudgetConfig
 
     terms = {"name": name, "epsilon": epsilon, "delta": delta, "accountant": accountant}
     try:

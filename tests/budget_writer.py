@@ -23,7 +23,7 @@ from raydp_train.budget.accountant import BudgetAccountant
 from raydp_train.budget.actor import actor_name, open_budget
 from raydp_train.budget.book import NAMESPACE
 from raydp_train.budget.terms import BudgetTerms, Spend
-from raydp_train.config.sweep import BudgetConfig
+from raydp_train.config.budget import BudgetConfig
 from raydp_train.train.trainer import ensure_ray
 
 SPEND = Spend(0.02, 1.0, 200)

@@ -23,8 +23,8 @@ from raydp_train.budget.actor import open_budget
 from raydp_train.budget.ledger_reading import ledger_rows
 from raydp_train.budget.terms import Spend
 from raydp_train.commands.cli import EXIT_BUDGET_EXHAUSTED, main
+from raydp_train.config.budget import BudgetConfig
 from raydp_train.config.pipeline import dump_pipeline, pipeline_from_dict
-from raydp_train.config.sweep import BudgetConfig
 
 # 200 synthetic rows -> N = 160 training examples; batch 16 -> q = 0.1, 10 steps per epoch.
 PIPELINE = {

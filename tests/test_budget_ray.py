@@ -17,8 +17,8 @@ from raydp_train.budget.ledger import as_uri
 from raydp_train.budget.ledger_reading import ledger_rows
 from raydp_train.budget.terms import Spend
 from raydp_train.commands.cli import EXIT_BUDGET_EXHAUSTED, main
+from raydp_train.config.budget import BudgetConfig
 from raydp_train.config.pipeline import load_pipeline
-from raydp_train.config.sweep import BudgetConfig
 from raydp_train.models.builders import build_model
 
 SPEND = Spend(0.02, 1.0, 50)

@@ -133,7 +133,7 @@ def test_budget_actor_killed_mid_sweep_loses_no_reservation(ray_session, tmp_pat
 def test_cli_budget_reset_needs_force_and_is_a_ledger_row(ray_session, tmp_path, capsys):
     from raydp_train.budget.actor import open_budget
     from raydp_train.budget.terms import Spend
-    from raydp_train.config.sweep import BudgetConfig
+    from raydp_train.config.budget import BudgetConfig
 
     budget = open_budget(BudgetConfig(name="resettable", epsilon=10.0, delta=1e-5,
                                       ledger=str(tmp_path)))

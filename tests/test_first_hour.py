@@ -17,7 +17,7 @@ from interrupted import ctrl_c_after
 
 from raydp_train.budget.ledger_reading import budget_status
 from raydp_train.commands.cli import main
-from raydp_train.config.sweep import default_ledger
+from raydp_train.config.budget import default_ledger
 from raydp_train.models.hf_files import resolve_name_or_path
 
 # Every test here starts processes (Ray, the CLI's embedded Ray or a subprocess).

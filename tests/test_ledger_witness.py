@@ -18,7 +18,7 @@ from raydp_train.budget.ledger_schema import UNCHAINED_SCHEMA
 from raydp_train.budget.run_witnesses import budget_witness, check_against_runs
 from raydp_train.budget.terms import BudgetTerms, Spend
 from raydp_train.commands.cli import main
-from raydp_train.config.sweep import BudgetConfig
+from raydp_train.config.budget import BudgetConfig
 
 TERMS = BudgetTerms("bt", 2.1, 1e-5)
 SPEND = Spend(0.01, 1.1, 25)  # one run of 25 steps

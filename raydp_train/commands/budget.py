@@ -55,7 +55,7 @@ def _ledger(value: str) -> str:
 
 def _ledger_of(args) -> str:
     """--ledger, else the machine's default ledger (read now: $RAYDP_TRAIN_HOME may be set)."""
-    from raydp_train.config.sweep import default_ledger
+    from raydp_train.config.budget import default_ledger
 
     return args.ledger or default_ledger()
 

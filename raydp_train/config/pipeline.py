@@ -4,7 +4,7 @@ config/overrides.py).
 This is the only module that reads the raw config. Everything else receives a validated
 `Pipeline`, so a field's default and its allowed range are written down exactly once, here
 or in the section modules it assembles (`config/data.py`, `config/model.py`, `config/privacy.py`,
-`config/training.py`, `config/sweep.py`).
+`config/training.py`, `config/budget.py`, `config/tune.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from raydp_train.config.base import SafeName, Section, Seed, WrittenPath
+from raydp_train.config.budget import BudgetConfig
 from raydp_train.config.data import (
     DataConfig,
     DigitsData,
@@ -36,8 +37,8 @@ from raydp_train.config.model import (
 from raydp_train.config.overrides import apply_overrides
 from raydp_train.config.paths import resolve_relative_paths
 from raydp_train.config.privacy import LoraConfig, LsgConfig, PrivacyConfig, mechanism_settings
-from raydp_train.config.sweep import BudgetConfig, TuneConfig
 from raydp_train.config.training import ParamGroup, TrainingConfig
+from raydp_train.config.tune import TuneConfig
 from raydp_train.config.yaml_text import YamlLimitError, load_bounded
 
 __all__ = [

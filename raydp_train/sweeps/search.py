@@ -15,7 +15,7 @@ import math
 
 from raydp_train.checks.sweep_spending import check_search_installed
 from raydp_train.config.pipeline import Pipeline
-from raydp_train.config.sweep import PLAN_FIELDS, WHOLE_NUMBERS
+from raydp_train.config.tune import PLAN_FIELDS, WHOLE_NUMBERS
 
 
 def search_algorithm(pipeline: Pipeline):
