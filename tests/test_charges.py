@@ -7,10 +7,10 @@ from raydp_train.budget.accountant import BudgetAccountant
 from raydp_train.budget.terms import BudgetTerms
 from raydp_train.train.charges import (
     Charged,
-    ChargeLedger,
     ChargeRefused,
     MemoryCharges,
     RunAccount,
+    RunCharges,
     planned_charges,
 )
 from raydp_train.train.plan import PrivacyPlan
@@ -27,7 +27,7 @@ def _run_epoch(ledger, epoch: int, first_step: int, steps: int, ran: int | None 
 
 
 def test_charges_add_up_and_a_new_attempt_counts_what_the_dead_one_released(tmp_path):
-    first = ChargeLedger(str(tmp_path))
+    first = RunCharges(str(tmp_path))
     assert first.charge(Charged(10, 1), "r1", 1, 0) == (10, 1)
     for step in range(10):
         first.mark_step(step)
@@ -36,45 +36,45 @@ def test_charges_add_up_and_a_new_attempt_counts_what_the_dead_one_released(tmp_
     for step in range(10, 15):  # killed after releasing 5 of its 13 steps, and no metric
         first.mark_step(step)
     # The restarted worker group is a new attempt: the dead one counts what it released.
-    restarted = ChargeLedger(str(tmp_path))
+    restarted = RunCharges(str(tmp_path))
     assert restarted.total() == (15, 1)
     assert restarted.dead_closings() == [("r1", 10, 1), ("r2", 5, 0)]
     assert restarted.charge(Charged(13, 1), "r3", 2, 10) == (28, 2)  # epoch 2 runs again
     assert len(list((tmp_path / "charges").glob("*.json"))) == 3
     # A later attempt reads both logs; the restarted one released nothing yet.
-    assert ChargeLedger(str(tmp_path)).total() == (15, 1)
+    assert RunCharges(str(tmp_path)).total() == (15, 1)
 
 
 def test_a_charge_without_its_release_log_counts_in_full(tmp_path):
     """An object store keeps no log, a legacy record names no attempt, a log can be lost or
     torn: never count less than may have been released."""
-    first = ChargeLedger(str(tmp_path))
+    first = RunCharges(str(tmp_path))
     _run_epoch(first, 1, 0, 10, ran=3)
     (log,) = (tmp_path / "charges").glob("released-*.log")
-    assert ChargeLedger(str(tmp_path)).total() == (3, 0)
+    assert RunCharges(str(tmp_path)).total() == (3, 0)
     log.write_text("step 0\nstep 1\nste")
-    assert ChargeLedger(str(tmp_path)).total() == (10, 0)
+    assert RunCharges(str(tmp_path)).total() == (10, 0)
     log.unlink()
-    assert ChargeLedger(str(tmp_path)).total() == (10, 0)
+    assert RunCharges(str(tmp_path)).total() == (10, 0)
     (tmp_path / "charges" / "0-legacy.json").write_text('{"steps": 7, "releases": 1}')
-    assert ChargeLedger(str(tmp_path)).total() == (17, 1)
+    assert RunCharges(str(tmp_path)).total() == (17, 1)
 
 
 def test_a_withdrawn_charge_never_counts(tmp_path):
-    ledger = ChargeLedger(str(tmp_path))
+    ledger = RunCharges(str(tmp_path))
     _run_epoch(ledger, 1, 0, 10)
     ledger.charge(Charged(10, 1), "refused", 2, 10)
     ledger.withdraw(Charged(10, 1))
     assert ledger.total() == (10, 0)
-    assert ChargeLedger(str(tmp_path)).total() == (10, 0)
+    assert RunCharges(str(tmp_path)).total() == (10, 0)
 
 
 def test_an_unfinished_write_is_not_counted(tmp_path):
-    ledger = ChargeLedger(str(tmp_path))
+    ledger = RunCharges(str(tmp_path))
     ledger.charge(Charged(4))
     (tmp_path / "charges" / ".partial.json.tmp").write_text('{"steps": 99}')
     assert ledger.total() == (4, 0)
-    assert ChargeLedger(str(tmp_path)).total() == (0, 0)  # no step of it was released
+    assert RunCharges(str(tmp_path)).total() == (0, 0)  # no step of it was released
 
 
 class _InProcessBudget:
@@ -164,7 +164,7 @@ def test_a_restart_settles_the_dead_attempts_reservation_with_what_it_released(t
     plan = _plan()
     accountant = BudgetAccountant(str(tmp_path / "ledger"), BudgetTerms("b", 100.0, 1e-5))
     budget = _InProcessBudget(accountant)
-    dead = RunAccount(ChargeLedger(str(tmp_path / "run")), budget, "run-1", plan)
+    dead = RunAccount(RunCharges(str(tmp_path / "run")), budget, "run-1", plan)
     dead.charge(Charged(20, 1), epoch=1, first_step=0)
     for step in range(20):
         dead.releasing_step(step)
@@ -175,7 +175,7 @@ def test_a_restart_settles_the_dead_attempts_reservation_with_what_it_released(t
         dead.releasing_step(step)
     assert accountant.status()["owners"]["run-1"]["steps_reserved"] == 20
 
-    restarted = RunAccount(ChargeLedger(str(tmp_path / "run")), budget, "run-1", plan)
+    restarted = RunAccount(RunCharges(str(tmp_path / "run")), budget, "run-1", plan)
     assert restarted.total() == (26, 1)
     assert restarted.charge(Charged(20, 1), epoch=2, first_step=20) == (46, 2)
     owner = accountant.status()["owners"]["run-1"]
@@ -188,7 +188,7 @@ def test_a_refused_reservation_is_withdrawn_from_the_record(tmp_path):
     plan = _plan()
     accountant = BudgetAccountant(str(tmp_path / "ledger"),
                                   BudgetTerms("b", plan.epsilon(20, releases=1) * 1.1, 1e-5))
-    account = RunAccount(ChargeLedger(str(tmp_path / "run")), _InProcessBudget(accountant),
+    account = RunAccount(RunCharges(str(tmp_path / "run")), _InProcessBudget(accountant),
                          "run-1", plan)
     account.charge(Charged(20, 1), epoch=1)
     with pytest.raises(ChargeRefused, match="budget exhausted"):
@@ -211,7 +211,7 @@ def test_a_charge_is_on_disk_with_its_name_before_it_is_charged(tmp_path, monkey
         fsync(descriptor)
 
     monkeypatch.setattr(exclusive_files.os, "fsync", recording)
-    ledger = ChargeLedger(str(tmp_path))
+    ledger = RunCharges(str(tmp_path))
     ledger.charge(Charged(5))
     assert any(path.endswith(".json.tmp") for path in synced), synced  # the record
     assert str(tmp_path / "charges") in synced, synced  # its name

@@ -17,7 +17,7 @@ from raydp_train.budget.actor import actor_name
 from raydp_train.budget.book import NAMESPACE
 from raydp_train.budget.ledger_reading import budget_status, ledger_rows
 from raydp_train.commands.cli import main
-from raydp_train.train.charges import ChargeLedger
+from raydp_train.train.charges import RunCharges
 from raydp_train.train.context import newest_checkpoint
 
 ROOT = Path(__file__).parents[1]
@@ -61,7 +61,7 @@ def test_ctrl_c_stops_before_the_next_epoch_and_the_same_command_resumes_within_
 
     (run_dir,) = (tmp_path / "runs").glob("quickstart-*")
     newest = json.loads((newest_checkpoint(run_dir) / "progress.json").read_text())
-    charged = ChargeLedger(str(run_dir)).total().steps
+    charged = RunCharges(str(run_dir)).total().steps
     assert newest["epoch"] >= 3
     assert len(checkpoints(run_dir)) <= 2  # run.keep_checkpoints: 2
     assert charged == newest["step"]  # every epoch charged was run and saved

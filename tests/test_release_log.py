@@ -8,14 +8,14 @@ from test_charges import _InProcessBudget, _plan
 
 from raydp_train.budget.accountant import BudgetAccountant
 from raydp_train.budget.terms import BudgetTerms
-from raydp_train.train.charges import Charged, ChargeLedger, RunAccount
+from raydp_train.train.charges import Charged, RunAccount, RunCharges
 
 
 def crashed_run(tmp_path, ran: int):
     """Epoch 1 (steps 0-19) settled; epoch 2 (steps 20-39) granted, killed after `ran` steps."""
     accountant = BudgetAccountant(str(tmp_path / "ledger"), BudgetTerms("b", 100.0, 1e-5))
     budget = _InProcessBudget(accountant)
-    dead = RunAccount(ChargeLedger(str(tmp_path / "run")), budget, "run-1", _plan())
+    dead = RunAccount(RunCharges(str(tmp_path / "run")), budget, "run-1", _plan())
     for epoch, first, steps in ((1, 0, 20), (2, 20, ran)):
         dead.charge(Charged(20, 1), epoch=epoch, first_step=first)
         for step in range(first, first + steps):
@@ -29,7 +29,7 @@ def crashed_run(tmp_path, ran: int):
 
 def restart(tmp_path, budget, resumed_at: int = 20) -> tuple[int, int]:
     """The next attempt resumes at `resumed_at` and charges; (steps spent, reserved) after."""
-    restarted = RunAccount(ChargeLedger(str(tmp_path / "run")), budget, "run-1", _plan())
+    restarted = RunAccount(RunCharges(str(tmp_path / "run")), budget, "run-1", _plan())
     restarted.charge(Charged(40 - resumed_at, 1), epoch=2, first_step=resumed_at)
     owner = budget.accountant.status()["owners"]["run-1"]
     return owner["steps_spent"], owner["steps_reserved"]

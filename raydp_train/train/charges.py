@@ -2,7 +2,7 @@
 BEFORE they run, and each release is marked before it happens, so the record counts exactly
 what was released, across crashes.
 
-`ChargeLedger` is the run's own record, under `<run_dir>/charges/` (a local directory or a
+`RunCharges` is the run's own record, under `<run_dir>/charges/` (a local directory or a
 URI such as s3://...): one immutable JSON file per epoch charge, and, in a local directory,
 one release log per attempt (a worker group's life; train/release_log.py). The current
 attempt counts its charges in full (write-ahead); a dead attempt counts the larger of what
@@ -59,7 +59,7 @@ class ChargeRefused(RuntimeError):
         return (type(self), (self.stop, self.details))
 
 
-class ChargeLedger:
+class RunCharges:
     def __init__(self, run_dir: str):
         self.filesystem, root = fs.FileSystem.from_uri(as_uri(run_dir))
         self.directory = f"{root.rstrip('/')}/charges"
@@ -220,7 +220,7 @@ def planned_charges(plan) -> Charged:
 class RunAccount:
     """Where one run's privacy goes: the global budget (if any) grants, the record keeps."""
 
-    def __init__(self, record: ChargeLedger | MemoryCharges, budget=None, owner: str = "",
+    def __init__(self, record: RunCharges | MemoryCharges, budget=None, owner: str = "",
                  plan=None, epsilon_cap: float | None = None, ceiling: Charged | None = None):
         """`epsilon_cap`: the run's `privacy.target_epsilon` (None: no cap of its own);
         `ceiling`: the most it may charge in all, when a reservation made elsewhere pays."""

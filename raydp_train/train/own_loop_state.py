@@ -8,20 +8,20 @@ from __future__ import annotations
 from pyarrow import fs
 from torch import nn
 
-from raydp_train.train.charges import Charged, ChargeLedger, MemoryCharges, RunAccount
+from raydp_train.train.charges import Charged, MemoryCharges, RunAccount, RunCharges
 from raydp_train.train.own_loop_arguments import PrivateStepError
 
 RECORD_FOLDER = "private-step"  # under the Ray Train run's storage
 
 
-def release_record(rank: int, record_dir: str | None) -> ChargeLedger | MemoryCharges:
+def release_record(rank: int, record_dir: str | None) -> RunCharges | MemoryCharges:
     """Rank 0's record of charges and releases: under `record_dir`, else under the Ray Train
     run's storage when it is a local file system (a restarted worker group reads its dead
     attempts' release logs there), else in memory (a process of its own has no restart)."""
     if rank != 0:
         return MemoryCharges()
     if record_dir is not None:
-        return ChargeLedger(record_dir)
+        return RunCharges(record_dir)
     storage = _ray_train_storage()
     if storage is None:
         return MemoryCharges()
@@ -30,7 +30,7 @@ def release_record(rank: int, record_dir: str | None) -> ChargeLedger | MemoryCh
             "record_dir: Ray Train's storage is not a local file system, where rank 0 keeps "
             "the log of each step it releases; pass record_dir=, a folder every attempt of "
             "this run can read (a URI works too: a dead attempt's steps then count in full)")
-    return ChargeLedger(f"{storage.experiment_fs_path}/{RECORD_FOLDER}")
+    return RunCharges(f"{storage.experiment_fs_path}/{RECORD_FOLDER}")
 
 
 def _ray_train_storage():

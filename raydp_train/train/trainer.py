@@ -19,7 +19,7 @@ from raydp_train.config.pipeline import Pipeline, pipeline_from_dict
 from raydp_train.data.shards import ShardEveryRow, file_splits, split_datasets
 from raydp_train.data.sources import load_data
 from raydp_train.models.hf_files import tokenizer_source
-from raydp_train.train.charges import Charged, ChargeLedger, RunAccount, epsilon_cap
+from raydp_train.train.charges import Charged, RunAccount, RunCharges, epsilon_cap
 from raydp_train.train.context import RayTrainContext, clear_stop, request_stop, stop_requested
 from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.progress_lines import RowReader
@@ -237,7 +237,7 @@ def _print_progress(rows: RowReader, on_epoch, on_progress, stop: threading.Even
 def _train_loop_per_worker(config: dict) -> bytes | None:
     pipeline = pipeline_from_dict(config["pipeline"])
     plan = config["plan"]
-    account = RunAccount(ChargeLedger(config["run_dir"]), config["budget"], config["owner"], plan,
+    account = RunAccount(RunCharges(config["run_dir"]), config["budget"], config["owner"], plan,
                          epsilon_cap(pipeline, plan), config["ceiling"])
     context = RayTrainContext(account, config["run_dir"], config["splits"],
                               config["concurrent_runs"])
