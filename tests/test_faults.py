@@ -155,3 +155,26 @@ def test_cli_budget_reset_needs_force_and_is_a_ledger_row(ray_session, tmp_path,
     assert budget.status()["epsilon_counted"] == 0.0  # the live accountant took it in
     assert main(["budget", "history", "resettable", "--ledger", str(tmp_path)]) == 0
     assert "reset" in capsys.readouterr().out
+
+
+def test_a_restart_on_other_nodes_keeps_the_nodes_of_the_attempts_before():
+    """record.json's worker_nodes_ever: a failover's run lists the node it left, too."""
+    from raydp_train.config.pipeline import pipeline_from_dict
+    from raydp_train.train.context import LocalContext
+    from raydp_train.train.plan import make_plan
+    from raydp_train.train.worker import train
+
+    pipeline = pipeline_from_dict({
+        "name": "nodes", "data": {"source": "synthetic", "n_samples": 200},
+        "model": {"kind": "logistic"}, "privacy": {"noise_multiplier": 1.0, "delta": 1e-4},
+        "training": {"epochs": 2, "batch_size": 40}, "run": {"seed": 0}})
+    plan, states = make_plan(pipeline, 160), []
+    first = train(pipeline, plan, LocalContext(on_checkpoint=lambda row, state: states.append(
+        state)))
+    assert first.nodes_ever == first.nodes == ["this process"]
+    # The first epoch's checkpoint, as an attempt on another node would have written it.
+    restored = {**states[0], "nodes_ever": ["10.0.0.9"]}
+    again = train(pipeline, plan, LocalContext(on_epoch=lambda row: None, restored=restored))
+    assert again.nodes == ["this process"]
+    assert again.nodes_ever == ["10.0.0.9", "this process"]
+    assert [row["epoch"] for row in again.metrics] == [1, 2]

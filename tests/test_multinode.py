@@ -56,6 +56,7 @@ def test_a_worker_node_killed_mid_run_resumes_on_the_nodes_left(tmp_path):
         privacy, training = record["privacy"], record["training"]
         assert [row["epoch"] for row in record["metrics"]] == list(range(1, 21))
         assert training["worker_nodes"] == [nodes.head.ip] * 2
+        assert training["worker_nodes_ever"] == sorted({nodes.head.ip, worker_node.ip})
         ends = [0] + [row["steps"] for row in record["metrics"]]
         longest_epoch = max(b - a for a, b in itertools.pairwise(ends))
         # Exactly what was released: of the epoch the kill cut short, the steps its attempt

@@ -98,6 +98,7 @@ def training_statement(pipeline: Pipeline, result) -> dict:
         "training_rows_per_worker": result.shard_sizes,  # they sum to N (ARCHITECTURE.md §2.10)
         "threads_per_worker": result.threads,  # torch's, training.threads_per_worker
         "worker_nodes": result.nodes,  # each rank's node address (training.placement)
+        "worker_nodes_ever": result.nodes_ever,  # of every attempt, after failovers too
         # The std of the last step's all-reduced sum before / qN (noise + clipped sums): about
         # sigma C when the noise dominates, whatever the world size (one draw per step).
         "last_step_sum_std": result.final_step_sum_std,

@@ -33,6 +33,7 @@ class TrainResult:
     data_mb: list[float] = field(default_factory=list)  # each rank's resident data, read
     threads: list[int] = field(default_factory=list)  # each rank's torch threads
     nodes: list[str] = field(default_factory=list)  # each rank's node (its IP address)
+    nodes_ever: list[str] = field(default_factory=list)  # every attempt's nodes, sorted
     # Each rank's (engine self-checks run, their seconds): privacy.self_check's cost.
     self_checks: list[tuple[int, float]] = field(default_factory=list)
     # The modules on the per-example path (privacy.other_layers: per_example), by name.

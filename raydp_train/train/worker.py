@@ -125,6 +125,7 @@ class WorkerRun:
             shard_sizes=context.gather(local.num_train),
             data_mb=context.gather(round(data_mb, 1)),
             threads=context.gather(threads), nodes=context.gather(context.node))
+        run.result.nodes_ever = sorted(set(run.result.nodes))
         run.restore()
         # After the restore: the cache holds what this rank's model computes, frozen now.
         run.loss, run.prefix_outputs, run.score = run.task.loss_and_score(pipeline, model, local)
@@ -141,6 +142,8 @@ class WorkerRun:
         self.schedule.load_state_dict(state["schedule"])
         self.step, self.first_epoch = state["step"], state["epoch"] + 1
         self.result.metrics = state["metrics"]
+        # The nodes of the attempts before this one (a failover moves ranks to other nodes).
+        self.result.nodes_ever = sorted({*self.result.nodes_ever, *state.get("nodes_ever", ())})
         self.mechanism.refresh(self.step, self.first_epoch, force=True)  # restored weights
 
     def train_epoch(self, epoch: int, end: int, after_step=None) -> bool:
@@ -158,7 +161,7 @@ class WorkerRun:
         self.context.settle(epoch_charge)
         self.result.metrics.append(row)
         self.context.report(row, _checkpoint_state(self.model, self.optimizer, self.schedule,
-                                                   epoch, self.step, self.result.metrics))
+                                                   epoch, self.step, self.result))
         return True
 
     def _steps(self, epoch: int, end: int, after_step) -> tuple[float, int]:
@@ -289,12 +292,7 @@ def _micro_batches(local: Dataset, sample, prefix_outputs, size: int, device):
 
 
 def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
-                      metrics: list[dict]) -> dict:
-    return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "schedule": schedule.state_dict(),
-        "epoch": epoch,
-        "step": step,
-        "metrics": list(metrics),
-    }
+                      result: TrainResult) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "schedule": schedule.state_dict(), "epoch": epoch, "step": step,
+            "metrics": list(result.metrics), "nodes_ever": result.nodes_ever}
