@@ -50,7 +50,7 @@ def shard_mib(path: Path, columns: list[str], workers: int) -> float:
     names = set(columns)
     total = sum(group.column(c).total_uncompressed_size
                 for group in (metadata.row_group(g) for g in range(metadata.num_row_groups))
-                for c in range(group.num_columns) if group.column(c).path_in_schema in names)
+                for c in range(group.num_columns) if group.column(c).path_in_schema.split(".")[0] in names)
     return total / MIB / workers
 
 
