@@ -96,12 +96,18 @@ def drawn_copies(pieces: dict, path: str, columns: list[str], draws: EpochDraws)
         for batch in file.iter_batches(BATCH_ROWS, row_groups=[group], columns=columns):
             low, high = max(first, position), min(stop, position + batch.num_rows)
             if low < high:
-                rows, steps = row_steps(draws.seed, draws.epoch, low, high - low, draws.steps,
-                                        draws.sampling_rate)
-                copies = pa.Table.from_batches([batch.slice(low - position, high - low)])
-                yield copies.take(rows).append_column(STEP, pa.array(steps)).append_column(
-                    ROW, pa.array(rows + low))
+                yield copies_by_step(pa.Table.from_batches(
+                    [batch.slice(low - position, high - low)]), low, draws)
             position += batch.num_rows
+
+
+def copies_by_step(rows: pa.Table, first_row: int, draws: EpochDraws) -> pa.Table:
+    """`rows`, whose first is row `first_row` of the training set, once per step each joins,
+    with its STEP and ROW: what any source of numbered rows gives the sort by step."""
+    offsets, steps = row_steps(draws.seed, draws.epoch, first_row, rows.num_rows, draws.steps,
+                               draws.sampling_rate)
+    return rows.take(offsets).append_column(STEP, pa.array(steps)).append_column(
+        ROW, pa.array(offsets + first_row))
 
 
 def step_ordered(path: Path, columns: list[str], first: int, stop: int, draws: EpochDraws):
