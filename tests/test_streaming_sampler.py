@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raydp_train.config.data import streaming_refusal
 from raydp_train.config.errors import PipelineError
 from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.data.streaming import (
@@ -84,6 +85,14 @@ def test_streaming_refused_by_name_where_it_cannot_serve(tmp_path, data, field):
         _pipeline(tmp_path, sampler="streaming", **data)
     assert choose_sampler(_pipeline(tmp_path, sampler="auto", sampler_memory_mb=1, **data)) == (
         "memory")  # auto never picks what is refused
+
+
+def test_the_prefix_cache_and_one_worker_sweeps_are_refused_by_name(tmp_path):
+    _files(tmp_path)
+    data = _pipeline(tmp_path, sampler="streaming").data
+    assert streaming_refusal(data) is None
+    assert streaming_refusal(data, cache_frozen_prefix=True)[1] == "training.cache_frozen_prefix"
+    assert "training.workers >= 2" in streaming_refusal(data, one_worker_sweep=True)[0]
 
 
 def test_auto_streams_when_a_workers_share_exceeds_the_threshold(tmp_path):
