@@ -102,6 +102,12 @@ class ParquetData(Section):
     train_fraction: TrainFraction = 0.8  # used only when test_path is None
     random_state: Seed = 42
     max_rows: int | None = Field(None, ge=2)  # of path's rows, a random_state-seeded subset
+    # How each worker Poisson-samples its training rows (ARCHITECTURE.md §2.13): memory holds
+    # its shard and draws a mask per step; streaming draws each row's steps of an epoch and
+    # reads the rows step by step, for a training file larger than a worker's memory; auto
+    # streams when a worker's share of the file (uncompressed) exceeds sampler_memory_mb.
+    sampler: Literal["memory", "streaming", "auto"] = "auto"
+    sampler_memory_mb: int = Field(2048, ge=1)
 
     @model_validator(mode="after")
     def _one_feature_source(self) -> ParquetData:
@@ -156,6 +162,25 @@ class RayDatasetData(ParquetData):
                 raise FieldProblem("not read with source ray_dataset: the rows are the Ray "
                                    "Datasets passed to run(pipeline, datasets=...)", field)
         return self
+
+
+def streaming_refusal(data, cache_frozen_prefix: bool = False,
+                      one_worker_sweep: bool = False) -> tuple[str, str] | None:
+    """(why, field) when `data.sampler: streaming` cannot serve this pipeline, else None."""
+    if data.source != "parquet" or data.test_path is None:
+        return (("streaming reads a training file of its own: use data.source parquet with a "
+                "test_path, or data.sampler memory"), "data.sampler")
+    if data.max_rows is not None:
+        return "a subset is drawn in the driver's memory: remove it", "data.max_rows"
+    if data.validation is not None and data.validation.path is None:
+        return "cuts rows in memory: use data.validation.path", "data.validation.fraction"
+    if cache_frozen_prefix:
+        return (("the prefix cache holds every training row's outputs in memory: not with "
+                "data.sampler streaming"), "training.cache_frozen_prefix")
+    if one_worker_sweep:
+        return (("a one-worker trial holds its rows in its own process: use training.workers "
+                ">= 2 or data.sampler memory"), "data.sampler")
+    return None
 
 
 DataConfig = Annotated[SyntheticData | DigitsData | ParquetData | RayDatasetData,

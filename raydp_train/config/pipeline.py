@@ -24,6 +24,7 @@ from raydp_train.config.data import (
     ParquetData,
     SyntheticData,
     ValidationSplit,
+    streaming_refusal,
 )
 from raydp_train.config.errors import FieldProblem, PipelineError, describe, show, yaml_problem
 from raydp_train.config.model import (
@@ -124,7 +125,18 @@ class Pipeline(Section):
         if self.tune is not None:
             _check_tune(self)
         _check_task(self)
+        _check_sampler(self)
         return self
+
+
+def _check_sampler(p: Pipeline) -> None:
+    """`data.sampler: streaming` only where it can serve the pipeline (ARCHITECTURE.md §2.13)."""
+    if getattr(p.data, "sampler", "memory") != "streaming":
+        return
+    refusal = streaming_refusal(p.data, p.training.cache_frozen_prefix,
+                                p.tune is not None and p.training.workers == 1)
+    if refusal is not None:
+        raise FieldProblem(*refusal)
 
 
 def _check_task(p: Pipeline) -> None:

@@ -134,6 +134,12 @@ def _tensor_column(column: pa.ChunkedArray, path: Path, name: str) -> np.ndarray
     if column.null_count:
         raise DataError(f"data.tensor_column: '{name}' in {path} has null rows")
     problem = f"data.tensor_column: '{name}' in {path} must hold equally-shaped lists of numbers"
+    kind = column.type
+    if pa.types.is_fixed_size_list(kind) and (pa.types.is_integer(kind.value_type)
+                                              or pa.types.is_floating(kind.value_type)):
+        # From the buffers, not a Python list per row: a step's rows stream through here.
+        values = pa.chunked_array([chunk.flatten() for chunk in column.chunks], kind.value_type)
+        return numbers_as_numpy(values).astype(np.float64).reshape(len(column), kind.list_size)
     try:
         tensors = np.asarray(column.to_pylist(), dtype=np.float64)
     except (ValueError, TypeError) as error:

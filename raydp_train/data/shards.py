@@ -21,6 +21,7 @@ from ray.train import DataConfig
 
 from raydp_train.data.columns import numeric_rows, text_labels
 from raydp_train.data.parquet_reads import read_parquet
+from raydp_train.data.streaming import choose_sampler
 from raydp_train.data.text import tokenize_texts
 
 # The most rows per block (the unit shards are made of), and the rows per batch a worker
@@ -45,15 +46,24 @@ def file_splits(data) -> dict[str, Path] | None:
     return splits
 
 
+def shard_splits(pipeline) -> dict[str, Path] | None:
+    """The splits that reach the workers as Ray Train shards: `file_splits`, less the training
+    file when the workers stream it (data/streaming.py)."""
+    splits = file_splits(pipeline.data)
+    if splits is not None and choose_sampler(pipeline) == "streaming":
+        del splits["train"]
+    return splits
+
+
 def split_datasets(pipeline) -> dict[str, ray.data.Dataset]:
-    """Every split of `file_splits` as a lazy Ray Data dataset of the columns the pipeline
+    """Every split of `shard_splits` as a lazy Ray Data dataset of the columns the pipeline
     reads, in file order; nothing is read until the workers iterate their shards."""
     data = pipeline.data
     text_column = getattr(data, "text_column", None)
     columns = [text_column] if text_column else data.feature_columns or [data.tensor_column]
     columns = [*columns, *([data.label_column] if data.label_column is not None else [])]
     datasets = {}
-    for name, path in file_splits(data).items():
+    for name, path in shard_splits(pipeline).items():
         rows = pq.ParquetFile(path).metadata.num_rows  # the footer alone
         per_block = block_rows(rows, pipeline.training.workers)
         datasets[name] = read_parquet(path).select_columns(columns).repartition(

@@ -95,6 +95,7 @@ def training_statement(pipeline: Pipeline, result) -> dict:
         "trained_numbers_per_step": result.trained_per_step,
         "allreduce_numbers_per_step": result.trained_per_step,
         "allreduce_collectives_per_step": 1,
+        "sampler": result.sampler,  # data.sampler as run (auto resolved; §2.13)
         "training_rows_per_worker": result.shard_sizes,  # they sum to N (ARCHITECTURE.md §2.10)
         "threads_per_worker": result.threads,  # torch's, training.threads_per_worker
         "worker_nodes": result.nodes,  # each rank's node address (training.placement)

@@ -29,6 +29,7 @@ class TrainResult:
     final_step_sum_std: float = float("nan")
     baselines: dict = field(default_factory=dict)  # Dataset.accuracy_baselines()
     shard_sizes: list[int] = field(default_factory=list)  # training rows each rank held
+    sampler: str = "memory"  # data.sampler as run: memory or streaming (train/samplers.py)
     peak_rss_mb: list[float] = field(default_factory=list)  # each rank's, at the end
     data_mb: list[float] = field(default_factory=list)  # each rank's resident data, read
     threads: list[int] = field(default_factory=list)  # each rank's torch threads

@@ -16,7 +16,7 @@ from ray.train.torch import TorchTrainer
 
 from raydp_train.budget.actor import BudgetClient
 from raydp_train.config.pipeline import Pipeline, pipeline_from_dict
-from raydp_train.data.shards import ShardEveryRow, file_splits, split_datasets
+from raydp_train.data.shards import ShardEveryRow, shard_splits, split_datasets
 from raydp_train.data.sources import load_data
 from raydp_train.models.hf_files import tokenizer_source
 from raydp_train.train.charges import Charged, RunAccount, RunCharges, epsilon_cap
@@ -105,7 +105,7 @@ def fit(
         os.environ.setdefault(name, value)
     run_dir.mkdir(parents=True, exist_ok=True)
     rows = RowReader(run_dir)  # before any worker starts: every row of this fit, once
-    splits = file_splits(pipeline.data)  # the splits that reach the workers as shards, or None
+    splits = shard_splits(pipeline)  # the splits that reach the workers as shards, or None
     config = {
         "pipeline": pipeline.model_dump(mode="json"),
         "plan": plan,

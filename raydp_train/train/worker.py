@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -19,13 +20,13 @@ from raydp_train.models.frozen_precision import keep_frozen_in
 from raydp_train.models.hf_files import tokenizer_source
 from raydp_train.optim.optimizer import make_optimizer, make_schedule, schedule_scale
 from raydp_train.privacy.noise import make_generator, make_noise_generator
-from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train import evaluation
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
 from raydp_train.train.engine_checks import EngineChecks
 from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.result import TrainResult
+from raydp_train.train.samplers import make_sampler
 from raydp_train.train.step import AUTOCAST_DTYPES, private_step
 from raydp_train.train.threads import use_threads
 
@@ -88,7 +89,7 @@ class WorkerRun:
         seed, training = pipeline.run.seed, pipeline.training
         self.pipeline, self.plan, self.context, self.local, self.model = (
             pipeline, plan, context, local, model)
-        shared_seed = _shared_seed(pipeline, context)
+        self.shared_seed = shared_seed = _shared_seed(pipeline, context)
         self.mechanism, self.clipper = _attach(pipeline, plan, shared_seed, model)
         self.optimizer = make_optimizer(model, training)
         self.schedule = make_schedule(self.optimizer, training, plan.steps)  # logical steps
@@ -108,9 +109,12 @@ class WorkerRun:
     def setup(cls, pipeline, plan: PrivacyPlan, context, dataset, data_shape) -> WorkerRun:
         """This rank's rows and model (rank 0's initialization), the run's pieces, and the
         state of the last checkpoint when Ray Train restarted it."""
+        from raydp_train.data.streaming import choose_sampler
+
         threads = use_threads(pipeline.training.threads_per_worker, context.sharing)
+        sampler = choose_sampler(pipeline)  # the same on every rank: the file's footer
         before = resident_mb()
-        local = _local_rows(pipeline, context, dataset, data_shape)
+        local = _local_rows(pipeline, context, dataset, data_shape, sampler == "streaming")
         data_mb = resident_mb() - before  # what holding this rank's rows costs
         if pipeline.run.seed is not None:
             torch.manual_seed(pipeline.run.seed)  # initialization, reproducible on request
@@ -121,14 +125,15 @@ class WorkerRun:
         run.result = TrainResult(
             model=model, noise_mode=run.noise_mode,
             data_shape=(list(local.feature_shape), local.num_classes),
-            baselines=run.task.baselines(local, context),
-            shard_sizes=context.gather(local.num_train),
+            baselines=run.task.baselines(local, context), sampler=sampler,
             data_mb=context.gather(round(data_mb, 1)),
             threads=context.gather(threads), nodes=context.gather(context.node))
         run.result.nodes_ever = sorted(set(run.result.nodes))
         run.restore()
         # After the restore: the cache holds what this rank's model computes, frozen now.
         run.loss, run.prefix_outputs, run.score = run.task.loss_and_score(pipeline, model, local)
+        run.sampler = make_sampler(sampler, run, run.shared_seed)
+        run.result.shard_sizes = context.gather(run.sampler.num_rows)
         run.started = time.monotonic()
         return run
 
@@ -171,12 +176,10 @@ class WorkerRun:
         loss_sum, seen = 0.0, 0
         epoch_start = shown = time.monotonic()
         first_step = self.step
+        self.sampler.start_epoch(epoch, first_step, end)
         while self.step < end:
             self.mechanism.refresh(self.step, epoch)
-            sample = poisson_sample(self.local.num_train, plan.sampling_rate,
-                                    self.sampling_generator)
-            batches = _micro_batches(self.local, sample, self.prefix_outputs,
-                                     training.max_physical_batch, context.device)
+            batches = self.sampler.step_batches()
             context.releasing_step(self.step)  # on record before its noisy gradient can leave
             stats = private_step(
                 self.model, self.clipper, self.optimizer, batches, self.loss, self.std,
@@ -263,8 +266,9 @@ def tracked_privacy(plan: PrivacyPlan, charged: Charged, budget) -> dict[str, fl
     return row
 
 
-def _local_rows(pipeline, context, dataset, data_shape):
-    """This rank's rows of every split, as torch tensors (ARCHITECTURE.md §2.10)."""
+def _local_rows(pipeline, context, dataset, data_shape, streaming: bool):
+    """This rank's rows of every split, as torch tensors (ARCHITECTURE.md §2.10); with
+    `streaming`, no training rows: the sampler reads them step by step (§2.13)."""
     shards = context.dataset_shards()
     if shards is not None:
         from raydp_train.data.shards import materialize
@@ -273,22 +277,17 @@ def _local_rows(pipeline, context, dataset, data_shape):
         labels = label_kind(pipeline.data).label_array(num_classes)
         splits = {name: materialize(shard, pipeline, name, feature_shape, labels, tokenizer)
                   for name, shard in shards.items()}
+        if streaming:
+            splits["train"] = (np.empty((0, *feature_shape), np.float32),
+                               np.empty((0, *labels[1]), labels[0]))
         return Dataset(*splits["train"], *splits["test"], num_classes,
                        *splits.get("validation", (None, None))).to_torch()
+    if streaming:  # config/data.py refuses it where no Ray Train shards come
+        raise RuntimeError("data.sampler streaming needs the run's Ray Train workers")
     if dataset is None or not dataset.features_read:  # the driver checked, did not tokenize
         dataset = load_data(pipeline.data, pipeline.model.num_classes,
                             tokenizer_source(pipeline.model))
     return dataset.rows(context.rank, context.world_size).to_torch()
-
-
-def _micro_batches(local: Dataset, sample, prefix_outputs, size: int, device):
-    """(features, labels) of each micro-batch of the sampled rows `sample` of this rank; the
-    features are (tokens, cached prefix outputs) when the frozen prefix is cached."""
-    for rows in micro_batches(sample, size):
-        features = local.train_features[rows].to(device)
-        if prefix_outputs is not None:
-            features = (features, prefix_outputs[rows].to(device))
-        yield features, local.train_labels[rows].to(device)
 
 
 def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
