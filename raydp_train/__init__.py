@@ -15,6 +15,7 @@ _EXPORTS = {
     "run": "raydp_train.api",
     "tune": "raydp_train.api",
     "RunResult": "raydp_train.api",
+    "Plan": "raydp_train.api",
     "open_budget": "raydp_train.api",
     "PrivateStep": "raydp_train.train.own_loop",
     "BudgetExhausted": "raydp_train.train.own_loop",
