@@ -120,6 +120,33 @@ def test_each_worker_reads_the_rows_its_draws_put_in_each_step(ray_session, tmp_
             assert ids == drawn.tolist(), (rank, step)
 
 
+def test_a_restarted_run_draws_the_same_rows_for_the_epoch_it_repeats(ray_session, tmp_path):
+    """A worker fails in epoch 2 and the group restarts from epoch 1's checkpoint: the epoch
+    run again samples exactly the rows the uninterrupted run sampled (the draws are keyed by
+    seed, epoch and row; the in-memory sampler's generator would start over instead)."""
+    import faults
+    import ray
+
+    from raydp_train.train.plan import make_plan
+    from raydp_train.train.trainer import fit
+
+    ray.cloudpickle.register_pickle_by_value(faults)
+    _files(tmp_path, rows=600)
+    pipeline = _pipeline(tmp_path, sampler="streaming").model_copy(deep=True)
+    pipeline.training.batch_size, pipeline.training.epochs = 60, 3  # 10 steps an epoch
+    pipeline.run.seed, pipeline.run.max_failures = 5, 1
+    plan = make_plan(pipeline, 600)
+    seen = {}
+    for name, after_step in (("once", None), ("restarted", faults.FailOnce(15))):
+        result = fit(pipeline, plan, tmp_path / name, on_epoch=lambda row: None,
+                     after_step=after_step)
+        assert result.sampler == "streaming" and result.steps_done == 30
+        seen[name] = [row["examples_seen"] for row in result.metrics]
+    assert (tmp_path / "restarted" / ".injected_failure").exists()
+    assert seen["restarted"] == seen["once"]
+    assert len(set(seen["once"])) > 1  # the epochs draw differently
+
+
 RUN = textwrap.dedent("""
     import json, sys
     from pathlib import Path
