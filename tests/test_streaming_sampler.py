@@ -64,6 +64,10 @@ def test_steps_come_in_order_every_step_even_empty():
         [], [10, 10, 10], [20, 20], [], [40, 40], [], []]
     assert all(table.schema == schema for table in steps)  # no STEP or ROW column left
     assert [t.num_rows for t in steps_in_order([], 3, schema)] == [0, 0, 0]
+    with pytest.raises(RuntimeError, match="out of step order"):
+        list(steps_in_order([batch([2]), batch([1])], 3, schema))
+    with pytest.raises(RuntimeError, match="out of step order"):
+        list(steps_in_order([batch([0, 3])], 3, schema))
 
 
 def test_worker_rows_partition_the_rows():
