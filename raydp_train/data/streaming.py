@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -121,7 +122,11 @@ def step_ordered(path: Path, columns: list[str], first: int, stop: int, draws: E
     items = ray.data.from_items(pieces, override_num_blocks=len(pieces))
     copies = items.map_batches(drawn_copies, batch_size=1, batch_format="numpy",
                                fn_kwargs={"path": str(path), "columns": columns, "draws": draws})
-    return copies.sort([STEP, ROW])
+    ordered = copies.sort([STEP, ROW])
+    # The sort's blocks in their order, not as their tasks finish: a step's rows must come
+    # together, and before the next step's.
+    ordered.context.execution_options.preserve_order = True
+    return ordered
 
 
 def steps_in_order(batches: Iterable[pa.Table], steps: int, schema: pa.Schema) -> Iterator:
@@ -130,6 +135,9 @@ def steps_in_order(batches: Iterable[pa.Table], steps: int, schema: pa.Schema) -
     step, held = 0, []
     for batch in batches:
         ids = batch.column(STEP).to_numpy()
+        if ids.size and (ids[0] < step or np.any(np.diff(ids) < 0) or ids[-1] >= steps):
+            # never train a row in a step it was not drawn for
+            raise RuntimeError(f"rows out of step order: step {ids.min()} after step {step}")
         while batch.num_rows:
             count = int((ids == ids[0]).sum())  # sorted: the first step's rows lead
             while step < ids[0]:

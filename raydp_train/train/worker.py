@@ -82,6 +82,7 @@ class WorkerRun:
     result: TrainResult
     loss: Callable  # the per-example training loss
     prefix_outputs: torch.Tensor | None  # the frozen prefix's cached outputs, if cached
+    sampler: object  # each step's sample as micro-batches (train/samplers.py)
     score: Callable  # (model, split) -> this rank's sums of the split
     started: float  # when the first epoch began (time.monotonic)
 
