@@ -37,8 +37,9 @@ def shards_of(pipeline, world_size: int,
     """Each worker's training shard, read side by side as Ray Train's workers read them."""
     shards = ShardEveryRow().configure(split_datasets(pipeline), world_size, None, None)
     with ThreadPoolExecutor(world_size) as pool:
-        return list(pool.map(lambda shard: materialize(shard["train"], pipeline, "train",
-                                                       feature_shape), shards))
+        return list(pool.map(lambda shard: materialize(
+            shard["train"], pipeline, "train", feature_shape,
+            tokenizer=tokenizer_source(pipeline.model)), shards))
 
 
 def test_the_shards_partition_the_training_rows(ray_session, tmp_path):
