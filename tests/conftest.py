@@ -163,5 +163,6 @@ def float64():
 def pytest_addoption(parser):
     parser.addoption(
         "--long", nargs="?", type=int, const=5000, default=None,
-        help="randomized soundness suite: check N generated models (default 5000) instead of 300",
+        help="the long mode: the randomized soundness suites check N generated models (default "
+             "5000), and the checks that take minutes (a training file larger than Ray's object store) run",
     )

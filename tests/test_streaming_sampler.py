@@ -182,10 +182,13 @@ RUN = textwrap.dedent("""
 
 
 @pytest.mark.cluster
-def test_a_run_streams_a_training_file_several_times_the_object_store(tmp_path):
+def test_a_run_streams_a_training_file_several_times_the_object_store(tmp_path, request):
     """Its own Ray with a 75 MiB object store (Ray's least) and 300 MiB of training rows.
-    Not under a minute on 2 shared cores: 337 s at a load average of 21-59 (the sort passes
-    every row through the object store and the disk it spills to; RESULTS.md)."""
+    Minutes on 2 cores (the sort passes every row through the object store and the disk it
+    spills to; RESULTS.md): in the long mode only, `pytest --long`, so `make test` keeps its
+    20 minutes; benchmarks/streaming_sampler.py measures the same run."""
+    if request.config.getoption("--long") is None:
+        pytest.skip("minutes on 2 cores: run with --long (make test keeps its 20 minutes)")
     rows, width, store_mib = 300_000, 256, 75  # 1 KiB a row
     done = subprocess.run([sys.executable, "-c", RUN, str(tmp_path), str(rows), str(width),
                            str(store_mib)], capture_output=True, text=True, timeout=900,
