@@ -1,7 +1,7 @@
 """Ray Datasets through the Python API (`data.source: ray_dataset`): the same rows
-handed over as Ray Datasets (several blocks) give the same seeded run as Parquet files, and the
-run records files that outlive the datasets; a pipeline and datasets that do not fit are
-refused by name before anything is spent."""
+handed over as Ray Datasets (several blocks) give the same seeded run as Parquet files, with
+no row written under run.output_dir (every file there scanned for each row's token); a
+pipeline and datasets that do not fit are refused by name before anything is spent."""
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +20,21 @@ def rows(count: int, seed: int) -> pa.Table:
     labels = (features @ np.array([1.0, -2.0, 0.5]) + rng.normal(0, 0.5, count) > 0)
     return pa.table({"a": features[:, 0], "b": features[:, 1], "c": features[:, 2],
                      "label": labels.astype(np.int64)})
+
+
+def with_tokens(table: pa.Table, split: str) -> pa.Table:
+    """Each row marked by a unique token (a column the pipeline does not read)."""
+    return table.append_column("token", pa.array(
+        [f"ROWTOKEN-{split}-{index:05d}" for index in range(table.num_rows)]))
+
+
+def files_holding_rows(folder, tables: list[pa.Table]) -> list[str]:
+    """Every file under `folder` that holds a row's token or a feature's float64 bytes."""
+    needles = [token.encode() for table in tables for token in table.column("token").to_pylist()]
+    needles += [np.float64(value).tobytes() for table in tables
+                for value in table.column("a").to_pylist()[:50]]
+    return sorted(str(path) for path in folder.rglob("*") if path.is_file()
+                  and any(needle in path.read_bytes() for needle in needles))
 
 
 def pipeline_dict(tmp_path, data: dict) -> dict:
@@ -41,13 +56,17 @@ def test_ray_datasets_train_as_the_same_rows_in_parquet(ray_session, tmp_path):
         "test_path": str(tmp_path / "test.parquet"),
         "validation": {"path": str(tmp_path / "dev.parquet"), "private": False}})),
         on_line=None, on_epoch=None)
-    datasets = {"train": ray.data.from_arrow(train).repartition(3),
-                "test": ray.data.from_arrow(test), "validation": ray.data.from_arrow(dev)}
+    marked = [with_tokens(train, "train"), with_tokens(test, "test"), with_tokens(dev, "dev")]
+    datasets = {"train": ray.data.from_arrow(marked[0]).repartition(3),
+                "test": ray.data.from_arrow(marked[1]), "validation": ray.data.from_arrow(marked[2])}
     assert datasets["train"].materialize().num_blocks() == 3
-    handed = rt.run(rt.Pipeline.from_dict(pipeline_dict(tmp_path, {
-        "source": "ray_dataset", "validation": {"private": False}})),
-        datasets=datasets, on_line=None, on_epoch=None)
+    output = tmp_path / "handed"
+    raw = pipeline_dict(tmp_path, {"source": "ray_dataset", "validation": {"private": False}})
+    raw["run"]["output_dir"] = str(output)
+    handed = rt.run(rt.Pipeline.from_dict(raw), datasets=datasets, on_line=None, on_epoch=None)
     assert handed.status == from_files.status == "completed"
+    assert files_holding_rows(output, marked) == []
+    assert files_holding_rows(tmp_path, marked[:1]) == [str(tmp_path / "train.parquet")]
     assert handed.metrics[-1]["test_accuracy"] == from_files.metrics[-1]["test_accuracy"]
     assert [row["validation_accuracy"] for row in handed.metrics] == [
         row["validation_accuracy"] for row in from_files.metrics]
@@ -55,10 +74,7 @@ def test_ray_datasets_train_as_the_same_rows_in_parquet(ray_session, tmp_path):
         [row["train_loss"] for row in from_files.metrics], rel=1e-9)
     assert handed.epsilon == from_files.epsilon
     saved = yaml.safe_load((handed.run_dir / "pipeline.yaml").read_text())["data"]
-    assert saved["source"] == "parquet"  # files that predict and a resumed run read again
-    assert pq.read_table(saved["path"]).equals(train)
-    assert pq.read_table(saved["test_path"]).equals(test)
-    assert pq.read_table(saved["validation"]["path"]).equals(dev)
+    assert saved["source"] == "ray_dataset"  # no files: a resumed run is given the datasets
 
 
 def test_a_ray_dataset_pipeline_without_its_rows_is_refused_by_name(tmp_path, capsys,
