@@ -52,6 +52,10 @@ def check_data_and_plan(pipeline: Pipeline, for_training: bool,
 
         tokenize = file_splits(pipeline.data) is None  # else each worker tokenizes its shard
     classes_field = "model.num_labels" if pipeline.model.kind == "hf" else "model.num_classes"
+    if datasets is None and pipeline.data.source == "hf_dataset":  # validate: no Ray
+        from raydp_train.data.hf_datasets import local_splits
+
+        datasets = local_splits(pipeline.data)
     if datasets is not None:
         from raydp_train.data.ray_dataset_checks import checked_datasets
 

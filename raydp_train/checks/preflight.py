@@ -62,6 +62,8 @@ def check_before_ray(pipeline: Pipeline) -> None:
 
     data = pipeline.data
     validation = getattr(data, "validation", None)
+    if data.source == "hf_dataset":  # a folder, or a name: data/hf_datasets.py checks it
+        data = validation = None
     for field, value in (("data.path", getattr(data, "path", None)),
                          ("data.test_path", getattr(data, "test_path", None)),
                          ("data.validation.path", getattr(validation, "path", None))):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from raydp_train.data.columns import labels_of, numeric_features
+from raydp_train.data.columns import BATCH_ROWS, labels_of, numeric_features
 from raydp_train.data.numeric_files import check_finite
 from raydp_train.data.sources import Dataset
 from raydp_train.data.targets import label_kind
@@ -24,7 +24,13 @@ from raydp_train.runs.worker_errors import user_error_in
 SHAPE = "__raydp_train_feature_shape"  # the column that carries each batch's feature shape
 
 
-def where(split: str) -> str:
+def where(data, split: str) -> str:
+    """What an error about a split's rows names: the Ray Dataset passed, or the Hugging Face
+    dataset's split."""
+    if data.source == "hf_dataset":
+        from raydp_train.data.hf_datasets import where as hf_where
+
+        return hf_where(data, split)
     return f"datasets[{split!r}]"
 
 
@@ -38,8 +44,8 @@ def checked_datasets(datasets: dict, data, num_classes: int | None, tokenizer: s
     read = {name: _checked_split(dataset, data, name) for name, dataset in datasets.items()}
     shapes = {name: features.shape[1:] for name, (features, _) in read.items()}
     if len(set(shapes.values())) > 1:
-        raise DataError(f"{where('test')}: features of shape {shapes['test']} do not match "
-                        f"{shapes['train']} in {where('train')}")
+        raise DataError(f"{where(data, 'test')}: features of shape {shapes['test']} do not "
+                        f"match {shapes['train']} in {where(data, 'train')}")
     kind = label_kind(data)
     splits = [("training", read["train"][1]), ("test", read["test"][1])]
     if "validation" in read:
@@ -55,34 +61,43 @@ def checked_datasets(datasets: dict, data, num_classes: int | None, tokenizer: s
 def _checked_split(dataset, data, split: str) -> tuple[np.ndarray, np.ndarray]:
     """(zeros in the features' shape, one row broadcast; the labels) of one dataset."""
     columns = _columns(data)
-    names = dataset.schema().names
+    names = dataset.schema.names if isinstance(dataset, pa.Table) else dataset.schema().names
     missing = [column for column in columns if column not in names]
     if missing:
-        raise DataError(f"{where(split)}: column(s) {missing} not in the dataset; available: "
-                        f"{', '.join(names)}")
-    checked = dataset.select_columns(columns).map_batches(
-        BatchCheck(data, split), batch_format="pyarrow")
-    try:
-        tables = [batch for batch in checked.iter_batches(batch_size=None,
-                                                           batch_format="pyarrow")]
-    except Exception as error:  # noqa: BLE001 -- a batch's DataError, under Ray Data's wrappers
-        raise user_error_in(error) or error from None
-    tables = [table for table in tables if table.num_rows]
+        raise DataError(f"{where(data, split)}: column(s) {missing} not in the dataset; "
+                        f"available: {', '.join(names)}")
+    local = isinstance(dataset, pa.Table)
+    chosen = dataset.select(columns) if local else dataset.select_columns(columns)
+    tables = [table for table in _checked_batches(chosen, data, split) if table.num_rows]
     if not tables:
-        raise DataError(f"{where(split)}: has no rows")
+        raise DataError(f"{where(data, split)}: has no rows")
     table = pa.concat_tables(tables)
     shapes = sorted(set(table.column(SHAPE).to_pylist()))
     if len(shapes) > 1:
-        raise DataError(f"data.tensor_column: '{data.tensor_column}' in {where(split)} must "
-                        f"hold equally-shaped lists of numbers, got {', '.join(shapes)}")
+        raise DataError(f"data.tensor_column: '{data.tensor_column}' in {where(data, split)} "
+                        f"must hold equally-shaped lists of numbers, got {', '.join(shapes)}")
     shape = tuple(int(size) for size in shapes[0].split("x") if size)
     rows = table.num_rows
     if data.label_column is None:
         labels = np.zeros(rows, np.int64)
     else:
-        labels = labels_of(table.column(data.label_column), where(split), data)
+        labels = labels_of(table.column(data.label_column), where(data, split), data)
     dtype = np.int32 if getattr(data, "text_column", None) else np.float32
     return np.broadcast_to(np.zeros((1, *shape), dtype), (rows, *shape)), labels
+
+
+def _checked_batches(dataset, data, split: str) -> list[pa.Table]:
+    """BatchCheck's tables of every batch: by Ray Data tasks, or here for an Arrow table
+    (validate of a Hugging Face dataset, without Ray)."""
+    check = BatchCheck(data, split)
+    if isinstance(dataset, pa.Table):
+        return [check(pa.Table.from_batches([batch]))
+                for batch in dataset.to_batches(max_chunksize=BATCH_ROWS)]
+    checked = dataset.map_batches(check, batch_format="pyarrow")
+    try:
+        return list(checked.iter_batches(batch_size=None, batch_format="pyarrow"))
+    except Exception as error:  # noqa: BLE001 -- a batch's DataError, under Ray Data's wrappers
+        raise user_error_in(error) or error from None
 
 
 def _columns(data) -> list[str]:
@@ -99,7 +114,7 @@ class BatchCheck:
         self.data, self.split = data, split
 
     def __call__(self, table: pa.Table) -> pa.Table:
-        data, name = self.data, where(self.split)
+        data, name = self.data, where(self.data, self.split)
         text_column = getattr(data, "text_column", None)
         if text_column is not None:
             shape = (2, data.max_length)

@@ -34,7 +34,14 @@ def ray_splits(pipeline: Pipeline, datasets: dict | None,
     a pipeline that reads files. Refused by name: datasets for a pipeline that reads files,
     or a ray_dataset pipeline without them."""
     data = pipeline.data
-    if not _fit(pipeline, datasets, source):
+    if data.source == "hf_dataset":  # its own splits, by name (data/hf_datasets.py)
+        from raydp_train.data.hf_datasets import hf_ray_datasets
+
+        if datasets is not None:
+            raise PipelineError(source, [("datasets: data.source hf_dataset reads its own "
+                                          "splits; pass datasets with source ray_dataset")])
+        datasets = hf_ray_datasets(data)
+    elif not _fit(pipeline, datasets, source):
         return None
     splits = dict(datasets)
     if "test" not in splits:
@@ -62,6 +69,10 @@ def with_ray_datasets(pipeline: Pipeline, datasets: dict | None,
                       source: str = "<pipeline>") -> Pipeline:
     """A sweep's `pipeline` reading `datasets` written as Parquet; unchanged without them."""
     data = pipeline.data
+    if data.source == "hf_dataset":
+        raise PipelineError(source, [("data.source: hf_dataset is for run, not yet for a "
+                                      "sweep; write its splits with Dataset.to_parquet and "
+                                      "use source parquet")])
     if not _fit(pipeline, datasets, source):
         return pipeline
     folder = (Path(pipeline.run.output_dir).resolve() / "datasets"

@@ -76,9 +76,11 @@ def in_blocks(dataset: ray.data.Dataset, pipeline, rows: int) -> ray.data.Datase
 
 
 def split_name(data, split: str):
-    """What an error about a split's rows names: its file, or the Ray Dataset passed."""
-    if data.source == "ray_dataset":
-        return f"datasets[{split!r}]"
+    """What an error about a split's rows names: its file, or the dataset handed over."""
+    if data.source in ("ray_dataset", "hf_dataset"):
+        from raydp_train.data.ray_dataset_checks import where
+
+        return where(data, split)
     return file_splits(data)[split]
 
 
