@@ -77,6 +77,23 @@ def test_conflicts_are_refused_by_name_before_ray_starts(tmp_path, monkeypatch, 
     assert not (tmp_path / "runs").exists()  # nothing written, nothing spent
 
 
+def test_the_guides_example_maps_as_it_says(tmp_path):
+    """The block of docs/guides/python-api.md, its rt.run call caught."""
+    from types import SimpleNamespace
+
+    from doc_blocks import ROOT, blocks
+
+    (block,) = [block for block in blocks(ROOT / "docs/guides/python-api.md")
+                if block.marker == "ray configs"]
+    calls = []
+    exec(block.text, {"rt": SimpleNamespace(run=lambda _, **configs: calls.append(configs)),  # noqa: S102
+                      "pipeline": None})
+    mapped, settings = with_ray_configs(pipeline(tmp_path), **calls[0])
+    assert (mapped.training.workers, mapped.training.cpus_per_worker) == (2, 2.0)
+    assert (mapped.run.max_failures, mapped.run.keep_checkpoints) == (2, 2)
+    assert settings.storage_path == "s3://bucket/runs"
+
+
 def test_a_sweep_takes_no_storage_of_its_own(tmp_path):
     with pytest.raises(rt.UserError, match="run_config.storage_path: not for a sweep"):
         with_ray_configs(pipeline(tmp_path), None, RunConfig(storage_path="/elsewhere"),

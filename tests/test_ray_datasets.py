@@ -139,3 +139,41 @@ def test_a_file_sources_validation_still_names_its_rows(tmp_path):
     with pytest.raises(rt.UserError, match="data.validation.path: not read with source "
                                            "ray_dataset"):
         rt.Pipeline.from_dict(raw)
+
+
+def test_a_bad_row_is_refused_naming_the_dataset_before_anything_is_written(ray_session,
+                                                                          tmp_path):
+    """Ray Data tasks check every batch; the error names the dataset, not a file."""
+    import ray.data
+
+    bad = rows(300, 1)
+    values = bad.column("b").to_pylist()
+    values[7] = float("nan")
+    bad = bad.set_column(1, "b", pa.array(values))
+    pipeline = rt.Pipeline.from_dict(pipeline_dict(tmp_path, {"source": "ray_dataset"}))
+    with pytest.raises(rt.UserError, match=r"data: datasets\['train'\] has NaN or inf features "
+                                           r"in rows \[7\]"):
+        rt.run(pipeline, datasets={"train": ray.data.from_arrow(bad),
+                                   "test": ray.data.from_arrow(rows(50, 2))}, on_line=None)
+    nulls = rows(60, 2).set_column(0, "a", pa.array([None] * 60, pa.float64()))
+    with pytest.raises(rt.UserError, match=r"column 'a' in datasets\['test'\] has 60 null"):
+        rt.run(pipeline, datasets={"train": ray.data.from_arrow(rows(300, 1)),
+                                   "test": ray.data.from_arrow(nulls)}, on_line=None)
+    assert not (tmp_path / "runs").exists()  # nothing written, nothing spent
+
+
+def test_a_test_split_is_cut_from_the_train_rows_on_the_cluster(ray_session, tmp_path):
+    import ray.data
+
+    from raydp_train.data.ray_datasets import ray_splits
+
+    table = rows(500, 1).append_column("id", pa.array(np.arange(500)))
+    pipeline = rt.Pipeline.from_dict(pipeline_dict(tmp_path, {
+        "source": "ray_dataset", "train_fraction": 0.8}))
+    splits = ray_splits(pipeline, {"train": ray.data.from_arrow(table)})
+    ids = {name: [row["id"] for row in split.take_all()] for name, split in splits.items()}
+    assert (len(ids["train"]), len(ids["test"])) == (400, 100)
+    assert sorted(ids["train"] + ids["test"]) == list(range(500))
+    assert ids["test"] != list(range(400, 500))  # a seeded random cut, not the last rows
+    again = ray_splits(pipeline, {"train": ray.data.from_arrow(table)})
+    assert [row["id"] for row in again["test"].take_all()] == ids["test"]

@@ -94,6 +94,7 @@ def _checked_batches(dataset, data, split: str) -> list[pa.Table]:
         return [check(pa.Table.from_batches([batch]))
                 for batch in dataset.to_batches(max_chunksize=BATCH_ROWS)]
     checked = dataset.map_batches(check, batch_format="pyarrow")
+    checked.context.raise_original_map_exception = True  # the DataError, not Ray's wrapper
     try:
         return list(checked.iter_batches(batch_size=None, batch_format="pyarrow"))
     except Exception as error:  # noqa: BLE001 -- a batch's DataError, under Ray Data's wrappers
