@@ -75,6 +75,12 @@ def test_ray_datasets_train_as_the_same_rows_in_parquet(ray_session, tmp_path):
     assert handed.epsilon == from_files.epsilon
     saved = yaml.safe_load((handed.run_dir / "pipeline.yaml").read_text())["data"]
     assert saved["source"] == "ray_dataset"  # no files: a resumed run is given the datasets
+    # predict reads a dataset in memory as the workers read their shards, labelled or not
+    predicted = rt.predict(handed.run_dir, datasets["test"])
+    assert predicted.accuracy == pytest.approx(handed.metrics[-1]["test_accuracy"])
+    unlabeled = rt.predict(handed.run_dir, marked[1].drop_columns(["label"]))
+    np.testing.assert_array_equal(unlabeled.classes, predicted.classes)
+    assert files_holding_rows(output, marked) == []
 
 
 def test_a_ray_dataset_pipeline_without_its_rows_is_refused_by_name(tmp_path, capsys,
