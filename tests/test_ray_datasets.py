@@ -183,3 +183,25 @@ def test_a_test_split_is_cut_from_the_train_rows_on_the_cluster(ray_session, tmp
     assert ids["test"] != list(range(400, 500))  # a seeded random cut, not the last rows
     again = ray_splits(pipeline, {"train": ray.data.from_arrow(table)})
     assert [row["id"] for row in again["test"].take_all()] == ids["test"]
+
+
+def test_text_batches_are_checked_and_summarized_without_their_tokens(tmp_path):
+    """The driver's summary of text rows: token zeros of the run's shape, the labels; a null
+    or a non-string text refused naming the dataset (checked here on Arrow tables, as
+    validate checks a Hugging Face dataset; Ray Data tasks run the same check)."""
+    from raydp_train.data.ray_dataset_checks import checked_datasets
+
+    data = rt.Pipeline.from_dict({**pipeline_dict(tmp_path, {}), "data": {
+        "source": "ray_dataset", "text_column": "text", "max_length": 16}}).data
+    texts = pa.table({"text": ["a fine film", "a dull one", "fine"], "label": [1, 0, 1]})
+    summary = checked_datasets({"train": texts, "test": texts.slice(1)}, data, 2, "tok",
+                               "model.num_classes")
+    assert summary.train_features.shape == (3, 2, 16) and summary.features_read is False
+    assert summary.train_features.dtype == np.int32 and not summary.train_features.any()
+    np.testing.assert_array_equal(summary.test_labels, [0, 1])
+    null = texts.set_column(0, "text", pa.array(["x", None, "y"]))
+    with pytest.raises(rt.UserError, match=r"'text' in datasets\['train'\] has 1 null rows"):
+        checked_datasets({"train": null, "test": texts}, data, 2, "tok", "model.num_classes")
+    numbers = texts.set_column(0, "text", pa.array([1, 2, 3]))
+    with pytest.raises(rt.UserError, match=r"column 'text' in datasets\['test'\] is int64"):
+        checked_datasets({"train": texts, "test": numbers}, data, 2, "tok", "model.num_classes")
