@@ -15,13 +15,14 @@ unless given other `on_line` / `on_epoch` / `on_progress` callbacks (None: silen
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from raydp_train.config.pipeline import Pipeline, PipelineError
-from raydp_train.reports.console import epoch_printer, progress_printer
+from raydp_train.reports.console import epoch_printer, progress_printer, run_header
 from raydp_train.reports.trackers import check_loggers
 from raydp_train.train.stops import StopReason
 
@@ -112,28 +113,30 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
         new: bool = False, verbose: bool = False, source: str = "<pipeline>",
         on_line: Callable[[str], None] | None = _say, on_epoch: Callable | None = ...,
         on_progress: Callable | None = ..., rerun_choices: Callable[[Path], str] | None = None,
-        datasets: dict | None = None) -> RunResult:
+        datasets: dict | None = None, scaling_config=None, run_config=None) -> RunResult:
     """Train the pipeline on Ray Train (joining `address`, else an embedded Ray) and write its
     run directory. An unfinished run of the same pipeline is continued (run.on_interrupted),
     unless `new`; `resume` names the one to continue. `datasets`: {"train": ray.data.Dataset,
-    "test": ...} for a pipeline with data.source ray_dataset (data/ray_datasets.py)."""
+    "test": ...} of a ray_dataset pipeline (data/ray_datasets.py; again to resume).
+    `scaling_config` / `run_config`: Ray Train's own, onto the pipeline (train/ray_configs.py)."""
     from raydp_train.reports.run import new_run_dir, privacy_statement, write_run_record
     from raydp_train.reports.trackers import RunTrackers
     from raydp_train.runs.reruns import driving
     from raydp_train.runs.worker_errors import explain
+    from raydp_train.train.ray_configs import storage_of
     from raydp_train.train.trainer import RunInterrupted, fit
 
-    on_line = on_line or _silent
-    epochs = pipeline.training.epochs
+    on_line, epochs = on_line or _silent, pipeline.training.epochs
     on_epoch = epoch_printer(epochs) if on_epoch is ... else on_epoch or _silent
     on_progress = progress_printer(epochs) if on_progress is ... else on_progress or _silent
-    pipeline, dataset, plan = _prepare_run(pipeline, address, verbose, source, datasets)
+    pipeline, settings, splits, dataset, plan = _prepare_run(
+        pipeline, address, verbose, source, datasets, (scaling_config, run_config))
     resumed = _run_to_resume(pipeline, resume, new, source, rerun_choices, on_line)
+    settings = storage_of(resumed, settings, source)  # a resumed run's checkpoints: where they are
     budget = _open_budget(pipeline, on_line)  # refused before a run directory is made
     run_dir = resumed or new_run_dir(pipeline)
-    on_line(_header(pipeline, plan, run_dir))
+    on_line(run_header(pipeline, plan, run_dir))
     trackers = RunTrackers(pipeline, run_dir, plan)
-
     def each_epoch(row: dict) -> None:
         trackers.log(row)
         on_epoch(row)
@@ -141,7 +144,8 @@ def run(pipeline: Pipeline, *, address: str | None = None, resume: str | Path | 
     try:
         with driving(run_dir, source):
             result = fit(pipeline, plan, run_dir, on_epoch=each_epoch, budget=budget,
-                         owner=run_dir.name, dataset=dataset, on_progress=on_progress)
+                         owner=run_dir.name, dataset=dataset, on_progress=on_progress,
+                         ray_settings=settings, ray_datasets=splits)
     except RunInterrupted:
         trackers.close("interrupted")
         return RunResult(run_dir, "interrupted", ABORTED, stop=StopReason.INTERRUPTED)
@@ -186,18 +190,20 @@ def _run_to_resume(pipeline: Pipeline, resume, new: bool, source: str, rerun_cho
 
 def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = False,
          source: str = "<pipeline>", on_line: Callable[[str], None] | None = _say,
-         datasets: dict | None = None):
+         datasets: dict | None = None, scaling_config=None, run_config=None):
     """Run the pipeline's `tune:` sweep, every trial spending from its one budget; the
     SweepResult (trials, best trial, its model), or None when the budget cannot pay a trial.
-    `datasets`: as run's (the Ray Datasets already tie this driver to its Ray)."""
+    `datasets`: as run's (the Ray Datasets already tie this driver to its Ray); each trial's
+    workers and restarts from `scaling_config` / `run_config` (no storage of their own)."""
     from raydp_train.checks.preflight import check_before_ray
     from raydp_train.data.ray_datasets import with_ray_datasets
     from raydp_train.runs.locations import check_locations, warn_if_not_shared
     from raydp_train.runs.resources import connect
     from raydp_train.sweeps.runner import run_sweep
+    from raydp_train.train.ray_configs import with_ray_configs
 
+    pipeline = with_ray_configs(pipeline, scaling_config, run_config, source, sweep=True)[0]
     pipeline = with_ray_datasets(pipeline, datasets, source)
-
     if pipeline.tune is None:
         raise PipelineError(source, [("tune: required by `raydp-train tune` (search_space, "
                                      "num_samples, ...); see README")])
@@ -209,8 +215,7 @@ def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = Fals
         connect(address, pipeline.training, _cpus(pipeline), verbose)
         warn_if_not_shared(pipeline, address)
 
-    return run_sweep(pipeline, connect=connect_and_warn,
-                     on_line=on_line or _silent)
+    return run_sweep(pipeline, connect=connect_and_warn, on_line=on_line or _silent)
 
 
 def open_budget(name: str, epsilon: float, delta: float, *, ledger: str | None = None,
@@ -242,27 +247,33 @@ def _status(result) -> str:
 
 
 def _cpus(pipeline: Pipeline) -> int:
-    return max(4, pipeline.training.workers + 2)  # room beside the workers: ARCHITECTURE.md §4
+    """Room beside the workers: ARCHITECTURE.md §4."""
+    training = pipeline.training
+    return max(4, math.ceil(training.workers * (training.cpus_per_worker or 1)) + 2)
 
 
 def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source: str,
-                 datasets: dict | None):
+                 datasets: dict | None, ray_configs: tuple):
     """Every check before anything is spent (preflight); Ray first: text is tokenized by Ray
-    Data, and Ray Datasets are written as Parquet. (pipeline reading them, Dataset, plan)."""
+    Data, and Ray Datasets are checked by it. (pipeline with Ray's configs, RaySettings, its
+    Ray Datasets, Dataset, plan)."""
     from raydp_train.checks.preflight import check_before_ray, check_pipeline
-    from raydp_train.data.ray_datasets import require_rows, with_ray_datasets
+    from raydp_train.data.ray_datasets import ray_splits, require_rows
     from raydp_train.runs.locations import check_locations, warn_if_not_shared
     from raydp_train.runs.resources import connect
+    from raydp_train.train.ray_configs import with_ray_configs
 
+    pipeline, settings = with_ray_configs(pipeline, *ray_configs, source)
     if datasets is None:  # a ray_dataset pipeline without its rows: refused before Ray starts
         require_rows(pipeline, source)
     check_locations(pipeline, source)
     check_loggers(pipeline, source)
     check_before_ray(pipeline)
     connect(address, pipeline.training, _cpus(pipeline), verbose)
-    pipeline = with_ray_datasets(pipeline, datasets, source)
+    splits = ray_splits(pipeline, datasets, source)
     warn_if_not_shared(pipeline, address)
-    return pipeline, *check_pipeline(pipeline, for_training=True)
+    return pipeline, settings, splits, *check_pipeline(pipeline, for_training=True,
+                                                        datasets=splits)
 
 
 def _python_choices(newest: Path) -> str:
@@ -285,10 +296,3 @@ def _open_budget(pipeline: Pipeline, on_line):
     on_line(f"{status_text(budget.status()).splitlines()[0]}\nledger: "
             f"{as_uri(pipeline.budget.ledger)}")
     return budget
-
-
-def _header(pipeline: Pipeline, plan, run_dir: Path) -> str:
-    mechanism = plan.mechanism.label
-    return (f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} "
-            f"examples, {pipeline.training.workers} worker(s), q={plan.sampling_rate:.4g}, "
-            f"sigma={plan.noise_multiplier:.4g}, C={plan.clip_norm:g}\nrun directory: {run_dir}")

@@ -113,3 +113,26 @@ def test_split_files_are_read_by_ray_datas_first_parquet_reader(ray_session, tmp
     assert (context.use_datasource_v2, context.enable_progress_bars) == before
     stats = datasets["test"].materialize().stats()
     assert "ReadParquet" in stats and "ListFiles" not in stats, stats
+
+
+def test_a_ray_dataset_is_sharded_as_the_same_rows_in_a_parquet_file(ray_session, tmp_path):
+    """However a handed-over Ray Dataset is cut into blocks, every row lies in exactly one
+    shard, and each rank holds the very rows it would hold of the same rows in Parquet."""
+    import ray.data
+
+    from raydp_train.data.shards import shard_ready
+
+    pipeline = numeric_pipeline(tmp_path)
+    from_file = [features[:, 0] for features, _ in shards_of(pipeline, 3)]
+    table = pq.read_table(tmp_path / "train.parquet")
+    handed = pipeline_from_dict({**pipeline.model_dump(mode="json", exclude_unset=True),
+                                 "data": {"source": "ray_dataset", "feature_columns": ["row", "x"],
+                                          "normalize": {"x": [100.0, 50.0]}}})
+    for blocks in (1, 7):
+        datasets = shard_ready({"train": ray.data.from_arrow(table).repartition(blocks)},
+                               handed, ROWS)
+        shards = ShardEveryRow().configure(datasets, 3, None, None)
+        rows = [materialize(shard["train"], handed, "train", (2,))[0][:, 0] for shard in shards]
+        for mine, theirs in zip(rows, from_file, strict=True):
+            np.testing.assert_array_equal(mine, theirs)
+        assert sorted(np.concatenate(rows).astype(int).tolist()) == list(range(ROWS))

@@ -100,14 +100,14 @@ MALFORMED = {
         ["privacy.accountant=xyz"], "privacy.accountant: must be one of 'rdp', 'pld', got 'xyz'"),
     "bad data source": (
         ["data.source=xlsx"],
-        "data.source: must be one of 'synthetic', 'sklearn_digits', 'parquet', 'csv', 'json', 'ray_dataset', got 'xlsx'"),
+        "data.source: must be one of 'synthetic', 'sklearn_digits', 'parquet', 'csv', 'json', 'ray_dataset', 'hf_dataset', got 'xlsx'"),
     "a path with ray datasets": (
         ["data={source: ray_dataset, path: a.parquet, feature_columns: [a]}"],
         ("data.path: not read with source ray_dataset: the rows are the Ray Datasets passed to "
         "run(pipeline, datasets=...)")),
     "missing data source": (
         ["data={n_samples: 100}"],
-        "data.source: required; one of 'synthetic', 'sklearn_digits', 'parquet', 'csv', 'json', 'ray_dataset'"),
+        "data.source: required; one of 'synthetic', 'sklearn_digits', 'parquet', 'csv', 'json', 'ray_dataset', 'hf_dataset'"),
     "bad model kind": (
         ["model.kind=rnn"], "model.kind: must be one of 'logistic', 'mlp', 'cnn', 'torch', 'hf', got 'rnn'"),
     "bad optimizer": (

@@ -1,7 +1,7 @@
 """Ray Datasets through the Python API (`data.source: ray_dataset`): the same rows
-handed over as Ray Datasets (several blocks) give the same seeded run as Parquet files, and the
-run records files that outlive the datasets; a pipeline and datasets that do not fit are
-refused by name before anything is spent."""
+handed over as Ray Datasets (several blocks) give the same seeded run as Parquet files, with
+no row written under run.output_dir (every file there scanned for each row's token); a
+pipeline and datasets that do not fit are refused by name before anything is spent."""
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +20,21 @@ def rows(count: int, seed: int) -> pa.Table:
     labels = (features @ np.array([1.0, -2.0, 0.5]) + rng.normal(0, 0.5, count) > 0)
     return pa.table({"a": features[:, 0], "b": features[:, 1], "c": features[:, 2],
                      "label": labels.astype(np.int64)})
+
+
+def with_tokens(table: pa.Table, split: str) -> pa.Table:
+    """Each row marked by a unique token (a column the pipeline does not read)."""
+    return table.append_column("token", pa.array(
+        [f"ROWTOKEN-{split}-{index:05d}" for index in range(table.num_rows)]))
+
+
+def files_holding_rows(folder, tables: list[pa.Table]) -> list[str]:
+    """Every file under `folder` that holds a row's token or a feature's float64 bytes."""
+    needles = [token.encode() for table in tables for token in table.column("token").to_pylist()]
+    needles += [np.float64(value).tobytes() for table in tables
+                for value in table.column("a").to_pylist()[:50]]
+    return sorted(str(path) for path in folder.rglob("*") if path.is_file()
+                  and any(needle in path.read_bytes() for needle in needles))
 
 
 def pipeline_dict(tmp_path, data: dict) -> dict:
@@ -41,13 +56,17 @@ def test_ray_datasets_train_as_the_same_rows_in_parquet(ray_session, tmp_path):
         "test_path": str(tmp_path / "test.parquet"),
         "validation": {"path": str(tmp_path / "dev.parquet"), "private": False}})),
         on_line=None, on_epoch=None)
-    datasets = {"train": ray.data.from_arrow(train).repartition(3),
-                "test": ray.data.from_arrow(test), "validation": ray.data.from_arrow(dev)}
+    marked = [with_tokens(train, "train"), with_tokens(test, "test"), with_tokens(dev, "dev")]
+    datasets = {"train": ray.data.from_arrow(marked[0]).repartition(3),
+                "test": ray.data.from_arrow(marked[1]), "validation": ray.data.from_arrow(marked[2])}
     assert datasets["train"].materialize().num_blocks() == 3
-    handed = rt.run(rt.Pipeline.from_dict(pipeline_dict(tmp_path, {
-        "source": "ray_dataset", "validation": {"private": False}})),
-        datasets=datasets, on_line=None, on_epoch=None)
+    output = tmp_path / "handed"
+    raw = pipeline_dict(tmp_path, {"source": "ray_dataset", "validation": {"private": False}})
+    raw["run"]["output_dir"] = str(output)
+    handed = rt.run(rt.Pipeline.from_dict(raw), datasets=datasets, on_line=None, on_epoch=None)
     assert handed.status == from_files.status == "completed"
+    assert files_holding_rows(output, marked) == []
+    assert files_holding_rows(tmp_path, marked[:1]) == [str(tmp_path / "train.parquet")]
     assert handed.metrics[-1]["test_accuracy"] == from_files.metrics[-1]["test_accuracy"]
     assert [row["validation_accuracy"] for row in handed.metrics] == [
         row["validation_accuracy"] for row in from_files.metrics]
@@ -55,10 +74,13 @@ def test_ray_datasets_train_as_the_same_rows_in_parquet(ray_session, tmp_path):
         [row["train_loss"] for row in from_files.metrics], rel=1e-9)
     assert handed.epsilon == from_files.epsilon
     saved = yaml.safe_load((handed.run_dir / "pipeline.yaml").read_text())["data"]
-    assert saved["source"] == "parquet"  # files that predict and a resumed run read again
-    assert pq.read_table(saved["path"]).equals(train)
-    assert pq.read_table(saved["test_path"]).equals(test)
-    assert pq.read_table(saved["validation"]["path"]).equals(dev)
+    assert saved["source"] == "ray_dataset"  # no files: a resumed run is given the datasets
+    # predict reads a dataset in memory as the workers read their shards, labelled or not
+    predicted = rt.predict(handed.run_dir, datasets["test"])
+    assert predicted.accuracy == pytest.approx(handed.metrics[-1]["test_accuracy"])
+    unlabeled = rt.predict(handed.run_dir, marked[1].drop_columns(["label"]))
+    np.testing.assert_array_equal(unlabeled.classes, predicted.classes)
+    assert files_holding_rows(output, marked) == []
 
 
 @pytest.mark.slow
@@ -124,3 +146,63 @@ def test_a_file_sources_validation_still_names_its_rows(tmp_path):
     with pytest.raises(rt.UserError, match="data.validation.path: not read with source "
                                            "ray_dataset"):
         rt.Pipeline.from_dict(raw)
+
+
+def test_a_bad_row_is_refused_naming_the_dataset_before_anything_is_written(ray_session,
+                                                                          tmp_path):
+    """Ray Data tasks check every batch; the error names the dataset, not a file."""
+    import ray.data
+
+    bad = rows(300, 1)
+    values = bad.column("b").to_pylist()
+    values[7] = float("nan")
+    bad = bad.set_column(1, "b", pa.array(values))
+    pipeline = rt.Pipeline.from_dict(pipeline_dict(tmp_path, {"source": "ray_dataset"}))
+    with pytest.raises(rt.UserError, match=r"data: datasets\['train'\] has NaN or inf features "
+                                           r"in rows \[7\]"):
+        rt.run(pipeline, datasets={"train": ray.data.from_arrow(bad),
+                                   "test": ray.data.from_arrow(rows(50, 2))}, on_line=None)
+    nulls = rows(60, 2).set_column(0, "a", pa.array([None] * 60, pa.float64()))
+    with pytest.raises(rt.UserError, match=r"column 'a' in datasets\['test'\] has 60 null"):
+        rt.run(pipeline, datasets={"train": ray.data.from_arrow(rows(300, 1)),
+                                   "test": ray.data.from_arrow(nulls)}, on_line=None)
+    assert not (tmp_path / "runs").exists()  # nothing written, nothing spent
+
+
+def test_a_test_split_is_cut_from_the_train_rows_on_the_cluster(ray_session, tmp_path):
+    import ray.data
+
+    from raydp_train.data.ray_datasets import ray_splits
+
+    table = rows(500, 1).append_column("id", pa.array(np.arange(500)))
+    pipeline = rt.Pipeline.from_dict(pipeline_dict(tmp_path, {
+        "source": "ray_dataset", "train_fraction": 0.8}))
+    splits = ray_splits(pipeline, {"train": ray.data.from_arrow(table)})
+    ids = {name: [row["id"] for row in split.take_all()] for name, split in splits.items()}
+    assert (len(ids["train"]), len(ids["test"])) == (400, 100)
+    assert sorted(ids["train"] + ids["test"]) == list(range(500))
+    assert ids["test"] != list(range(400, 500))  # a seeded random cut, not the last rows
+    again = ray_splits(pipeline, {"train": ray.data.from_arrow(table)})
+    assert [row["id"] for row in again["test"].take_all()] == ids["test"]
+
+
+def test_text_batches_are_checked_and_summarized_without_their_tokens(tmp_path):
+    """The driver's summary of text rows: token zeros of the run's shape, the labels; a null
+    or a non-string text refused naming the dataset (checked here on Arrow tables, as
+    validate checks a Hugging Face dataset; Ray Data tasks run the same check)."""
+    from raydp_train.data.ray_dataset_checks import checked_datasets
+
+    data = rt.Pipeline.from_dict({**pipeline_dict(tmp_path, {}), "data": {
+        "source": "ray_dataset", "text_column": "text", "max_length": 16}}).data
+    texts = pa.table({"text": ["a fine film", "a dull one", "fine"], "label": [1, 0, 1]})
+    summary = checked_datasets({"train": texts, "test": texts.slice(1)}, data, 2, "tok",
+                               "model.num_classes")
+    assert summary.train_features.shape == (3, 2, 16) and summary.features_read is False
+    assert summary.train_features.dtype == np.int32 and not summary.train_features.any()
+    np.testing.assert_array_equal(summary.test_labels, [0, 1])
+    null = texts.set_column(0, "text", pa.array(["x", None, "y"]))
+    with pytest.raises(rt.UserError, match=r"'text' in datasets\['train'\] has 1 null rows"):
+        checked_datasets({"train": null, "test": texts}, data, 2, "tok", "model.num_classes")
+    numbers = texts.set_column(0, "text", pa.array([1, 2, 3]))
+    with pytest.raises(rt.UserError, match=r"column 'text' in datasets\['test'\] is int64"):
+        checked_datasets({"train": texts, "test": numbers}, data, 2, "tok", "model.num_classes")

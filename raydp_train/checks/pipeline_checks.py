@@ -40,7 +40,9 @@ def check_text_model(pipeline: Pipeline) -> None:
     make_optimizer(model, pipeline.training)
 
 
-def check_data_and_plan(pipeline: Pipeline, for_training: bool) -> tuple[Dataset, PrivacyPlan]:
+def check_data_and_plan(pipeline: Pipeline, for_training: bool,
+                        datasets: dict | None = None) -> tuple[Dataset, PrivacyPlan]:
+    """`datasets`: a ray_dataset pipeline's Ray Datasets, checked where they are."""
     from raydp_train.data.sources import load_data
     from raydp_train.train.plan import PlanError, make_plan
 
@@ -50,8 +52,18 @@ def check_data_and_plan(pipeline: Pipeline, for_training: bool) -> tuple[Dataset
 
         tokenize = file_splits(pipeline.data) is None  # else each worker tokenizes its shard
     classes_field = "model.num_labels" if pipeline.model.kind == "hf" else "model.num_classes"
-    dataset = load_data(pipeline.data, pipeline.model.num_classes,
-                        tokenizer_source(pipeline.model), classes_field, tokenize=tokenize)
+    if datasets is None and pipeline.data.source == "hf_dataset":  # validate: no Ray
+        from raydp_train.data.hf_datasets import local_splits
+
+        datasets = local_splits(pipeline.data)
+    if datasets is not None:
+        from raydp_train.data.ray_dataset_checks import checked_datasets
+
+        dataset = checked_datasets(datasets, pipeline.data, pipeline.model.num_classes,
+                                   tokenizer_source(pipeline.model), classes_field)
+    else:
+        dataset = load_data(pipeline.data, pipeline.model.num_classes,
+                            tokenizer_source(pipeline.model), classes_field, tokenize=tokenize)
     # make_plan allows q = 1 (tests use it for an exact full-batch step); a pipeline may not.
     if pipeline.training.batch_size >= dataset.num_train:
         raise PlanError(

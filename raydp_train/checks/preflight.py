@@ -21,12 +21,13 @@ if TYPE_CHECKING:
 
 
 def check_pipeline(pipeline: Pipeline, for_training: bool = True,
-                   build_model: bool = True) -> tuple[Dataset, PrivacyPlan]:
+                   build_model: bool = True,
+                   datasets: dict | None = None) -> tuple[Dataset, PrivacyPlan]:
     """The data and the plan, once every check passed. `for_training=False` (validate) makes
     the same checks on names, shapes and types only: text is not tokenized (so Ray is not
     started) and a pretrained model is built on the meta device, its weights never read, or,
     with `build_model=False`, only its files are checked; a data error is still reported
-    before a model error."""
+    before a model error. `datasets`: a ray_dataset pipeline's Ray Datasets (run's)."""
     # Never fork a process that runs Ray's threads (a sweep's driver checks its candidates here).
     if not for_training and _is_text(pipeline) and not _ray_running():
         with _model_check(pipeline, build_model) as model_checked:
@@ -41,7 +42,7 @@ def check_pipeline(pipeline: Pipeline, for_training: bool = True,
 
     if _is_text(pipeline):
         checks.check_tokenizer(pipeline)  # a bad name_or_path fails here, not inside Ray Data
-    dataset, plan = checks.check_data_and_plan(pipeline, for_training)
+    dataset, plan = checks.check_data_and_plan(pipeline, for_training, datasets)
     model = checks.check_model(pipeline, dataset.feature_shape, dataset.num_classes, for_training)
     checks.check_schedule(model, pipeline, plan.steps)
     if _is_text(pipeline):  # validate's model check is a part of these: it may be skipped next
@@ -61,6 +62,8 @@ def check_before_ray(pipeline: Pipeline) -> None:
 
     data = pipeline.data
     validation = getattr(data, "validation", None)
+    if data.source == "hf_dataset":  # a folder, or a name: data/hf_datasets.py checks it
+        data = validation = None
     for field, value in (("data.path", getattr(data, "path", None)),
                          ("data.test_path", getattr(data, "test_path", None)),
                          ("data.validation.path", getattr(validation, "path", None))):

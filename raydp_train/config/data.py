@@ -111,7 +111,7 @@ class ParquetData(Section):
 
     @model_validator(mode="after")
     def _one_feature_source(self) -> ParquetData:
-        if self.source != "ray_dataset":
+        if self.source not in ("ray_dataset", "hf_dataset"):
             _validation_rows_named(self)
         given = [k for k in ("feature_columns", "tensor_column", "text_column")
                  if getattr(self, k) is not None]
@@ -183,5 +183,41 @@ def streaming_refusal(data, cache_frozen_prefix: bool = False,
     return None
 
 
-DataConfig = Annotated[SyntheticData | DigitsData | ParquetData | RayDatasetData,
+class HFDatasetData(ParquetData):
+    """A Hugging Face `datasets` dataset (data/hf_datasets.py): a folder written by
+    `save_to_disk`, or a name loaded from the local Hugging Face cache, offline; its splits
+    by name, with Parquet's column options."""
+
+    source: Literal["hf_dataset"]
+    path: ReadPath | None = Field(None, min_length=1)  # a save_to_disk folder, OR:
+    name: str | None = Field(None, min_length=1)  # a dataset in the local Hugging Face cache
+    split: str = Field("train", min_length=1)  # the rows trained on
+    test_split: str | None = Field("test", min_length=1)  # null: cut by train_fraction
+    # the rows data.validation releases a metric of (or data.validation.fraction cuts them)
+    validation_split: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_place(self) -> HFDatasetData:
+        if (self.path is None) == (self.name is None):
+            raise FieldProblem("set exactly one of path (a save_to_disk folder) or name (a "
+                               "dataset in the local Hugging Face cache)", "path")
+        for field in ("test_path", "max_rows"):
+            if getattr(self, field) is not None:
+                raise FieldProblem("not with source hf_dataset: its splits are named by split, "
+                                   "test_split and validation_split", field)
+        validation = self.validation
+        if self.validation_split is not None and validation is None:
+            raise FieldProblem("set data.validation (private, noise_multiplier) to say how its "
+                               "metric is released", "validation_split")
+        if validation is not None and validation.path is not None:
+            raise FieldProblem("not with source hf_dataset: name the split in "
+                               "data.validation_split", "validation.path")
+        if validation is not None and (validation.fraction is None) == (
+                self.validation_split is None):
+            raise FieldProblem("set exactly one of data.validation.fraction or "
+                               "data.validation_split", "validation.fraction")
+        return self
+
+
+DataConfig = Annotated[SyntheticData | DigitsData | ParquetData | RayDatasetData | HFDatasetData,
                        Field(discriminator="source")]

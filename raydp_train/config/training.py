@@ -55,6 +55,8 @@ class TrainingConfig(Section):
     # the nodes when it can), strict_spread (each on a different node, or the run waits)
     placement: Literal["pack", "spread", "strict_spread"] = "pack"
     use_gpu: bool = False  # one GPU per worker; model, step and noise on it
+    # CPUs each worker asks Ray for; null: 1, or none with use_gpu (Ray Train's defaults)
+    cpus_per_worker: float | None = Field(None, gt=0, le=1024)
     # with use_gpu: the GPU model each worker needs, as Ray names it ("A100", "H100", ...)
     accelerator_type: str | None = Field(None, min_length=1)
     # more Ray resources each worker asks for: the nodes' custom resources (`ray start
@@ -106,9 +108,12 @@ class TrainingConfig(Section):
         return self
 
     def worker_bundle(self) -> dict[str, float]:
-        """The Ray resources one worker asks for, as Ray Train asks them: a CPU, or a GPU with
-        use_gpu (no CPU: Ray Train's default), the GPU model's marker, custom resources."""
+        """The Ray resources one worker asks for, as Ray Train asks them: a CPU (or
+        cpus_per_worker), or a GPU with use_gpu (no CPU unless cpus_per_worker), the GPU
+        model's marker, custom resources."""
         bundle = {"GPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+        if self.cpus_per_worker is not None:
+            bundle["CPU"] = float(self.cpus_per_worker)
         if self.accelerator_type is not None:  # Ray's own marker of a node's GPU model
             bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
         return {**bundle, **self.worker_resources}

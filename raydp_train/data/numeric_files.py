@@ -47,7 +47,7 @@ def read_numeric_file(path: Path, config, field: str,
     if table.num_rows == 0:
         raise DataError(f"{field}: {path} has no rows")
     features, labels = numeric_rows(table, config, path)
-    _check_finite(features, path, field)
+    check_finite(features, path, field)
     return features, labels
 
 
@@ -62,7 +62,7 @@ def _checked_by_batches(path: Path, config, field: str,
     rows, shape = 0, None
     for batch in record_batches(parquet, columns, path, field):
         features = numeric_features(pa.Table.from_batches([batch]), config, path)
-        _check_finite(features, path, field, first_row=rows)
+        check_finite(features, path, field, first_row=rows)
         if shape is not None and features.shape[1:] != shape:
             raise DataError(f"data.tensor_column: '{config.tensor_column}' in {path} must hold "
                             f"equally-shaped lists of numbers, got {list(shape)} and "
@@ -71,7 +71,7 @@ def _checked_by_batches(path: Path, config, field: str,
     return np.broadcast_to(np.zeros((1, *shape), np.float32), (rows, *shape)), labels
 
 
-def _check_finite(features: np.ndarray, path: Path, field: str, first_row: int = 0) -> None:
+def check_finite(features: np.ndarray, path: Path, field: str, first_row: int = 0) -> None:
     """No NaN or inf, nothing beyond float32's range; rows counted from `first_row`."""
     flat = features.reshape(len(features), -1)
     for bad, what in ((~np.isfinite(flat), "NaN or inf features"),

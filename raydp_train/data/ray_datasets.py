@@ -2,14 +2,17 @@
 
     rt.run(pipeline, datasets={"train": train_ds, "test": test_ds})
 
-Each dataset is written once, block by block (the driver holds one block at a time), to a
-Parquet file under `<run.output_dir>/datasets/<name>-<time>/`, and the pipeline's data section
-becomes `source: parquet` on those files. So the rows then go through the same checks,
-columns, sharding (Ray Data shards of the file) and records as any Parquet split, the saved
-pipeline.yaml names files that `predict` and a resumed run read again, and nothing is kept
-only in a cache. Without "test", the test split is cut from the train rows (data.train_fraction).
-A "validation" dataset becomes `data.validation.path`; `data.validation` still says how its
-metric is released (private, noise_multiplier).
+`run` keeps the rows in Ray (ARCHITECTURE.md §2.10): they are checked by Ray Data tasks
+(data/ray_dataset_checks.py), counted on the cluster (the plan's N), and reach the workers
+through Ray Train's `datasets=` and `get_dataset_shard`, each worker reading its own shard;
+nothing is written under `run.output_dir`. Without "test", a test split is cut from the train
+rows (data.train_fraction, seeded by data.random_state), as `data.validation.fraction` cuts
+a validation split, by Ray Data on the cluster. A "validation" dataset is the validation
+split; `data.validation` still says how its metric is released (private, noise_multiplier).
+A resumed run reads the datasets given to it again (`run(..., resume=run_dir, datasets=...)`).
+
+A sweep's trials (`tune`) still read Parquet copies: `with_ray_datasets` writes each
+dataset once, block by block, under `<run.output_dir>/datasets/`, and the pipeline reads them.
 """
 
 from __future__ import annotations
@@ -24,17 +27,54 @@ from raydp_train.config.pipeline import Pipeline, PipelineError
 SPLITS = {"train": "path", "test": "test_path", "validation": "validation.path"}
 
 
+def ray_splits(pipeline: Pipeline, datasets: dict | None,
+               source: str = "<pipeline>") -> dict | None:
+    """The splits {"train", "test"[, "validation"]} a ray_dataset pipeline trains on, as
+    lazy Ray Datasets (test and validation cut from train where the pipeline says); None for
+    a pipeline that reads files. Refused by name: datasets for a pipeline that reads files,
+    or a ray_dataset pipeline without them."""
+    data = pipeline.data
+    if data.source == "hf_dataset":  # its own splits, by name (data/hf_datasets.py)
+        from raydp_train.data.hf_datasets import hf_ray_datasets
+
+        if datasets is not None:
+            raise PipelineError(source, [("datasets: data.source hf_dataset reads its own "
+                                          "splits; pass datasets with source ray_dataset")])
+        datasets = hf_ray_datasets(data)
+    elif not _fit(pipeline, datasets, source):
+        return None
+    splits = dict(datasets)
+    if "test" not in splits:
+        splits["train"], splits["test"] = _cut(splits["train"], 1 - data.train_fraction,
+                                               data.random_state, "data.train_fraction")
+    if data.validation is not None and data.validation.fraction is not None:
+        splits["train"], splits["validation"] = _cut(
+            splits["train"], data.validation.fraction, data.random_state,
+            "data.validation.fraction")
+    return splits
+
+
+def _cut(dataset, fraction: float, seed: int, field: str):
+    """(the rows kept, a seeded random `fraction` of them) of `dataset`, split by Ray Data."""
+    from raydp_train.errors import DataError
+
+    rows = dataset.count()
+    held = round(fraction * rows)
+    if held == 0 or held == rows:
+        raise DataError(f"{field}: {fraction:g} of {rows} training rows leaves an empty split")
+    return dataset.train_test_split(test_size=held, shuffle=True, seed=seed)
+
+
 def with_ray_datasets(pipeline: Pipeline, datasets: dict | None,
                       source: str = "<pipeline>") -> Pipeline:
-    """`pipeline` reading `datasets` (written as Parquet); unchanged without them. Refused by
-    name: datasets for a pipeline that reads files, or a ray_dataset pipeline without them."""
+    """A sweep's `pipeline` reading `datasets` written as Parquet; unchanged without them."""
     data = pipeline.data
-    if datasets is None:
-        require_rows(pipeline, source)
+    if data.source == "hf_dataset":
+        raise PipelineError(source, [("data.source: hf_dataset is for run, not yet for a "
+                                      "sweep; write its splits with Dataset.to_parquet and "
+                                      "use source parquet")])
+    if not _fit(pipeline, datasets, source):
         return pipeline
-    problems = _problems(data, datasets)
-    if problems:
-        raise PipelineError(source, problems)
     folder = (Path(pipeline.run.output_dir).resolve() / "datasets"
               / f"{pipeline.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
     fields = {**data.model_dump(), "source": "parquet"}
@@ -48,6 +88,17 @@ def with_ray_datasets(pipeline: Pipeline, datasets: dict | None,
 
     parquet = ParquetData.model_validate(fields)
     return pipeline.model_copy(update={"data": parquet})
+
+
+def _fit(pipeline: Pipeline, datasets: dict | None, source: str) -> bool:
+    """Whether `datasets` were given, after checking that they fit the pipeline."""
+    if datasets is None:
+        require_rows(pipeline, source)
+        return False
+    problems = _problems(pipeline.data, datasets)
+    if problems:
+        raise PipelineError(source, problems)
+    return True
 
 
 def require_rows(pipeline: Pipeline, source: str = "<pipeline>") -> None:

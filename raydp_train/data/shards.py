@@ -58,17 +58,39 @@ def shard_splits(pipeline) -> dict[str, Path] | None:
 def split_datasets(pipeline) -> dict[str, ray.data.Dataset]:
     """Every split of `shard_splits` as a lazy Ray Data dataset of the columns the pipeline
     reads, in file order; nothing is read until the workers iterate their shards."""
+    datasets = {}
+    for name, path in shard_splits(pipeline).items():
+        rows = pq.ParquetFile(path).metadata.num_rows  # the footer alone
+        datasets[name] = in_blocks(read_parquet(path), pipeline, rows)
+    return datasets
+
+
+def shard_ready(datasets: dict, pipeline, train_rows: int) -> dict[str, ray.data.Dataset]:
+    """Ray Datasets handed to run() (data.source ray_dataset), cut into blocks as a Parquet
+    split of the same rows is: the same rows in the same shards, nothing written. The train
+    split's size is known (counted before the plan); the others are counted here."""
+    return {name: in_blocks(dataset, pipeline,
+                            train_rows if name == "train" else dataset.count())
+            for name, dataset in datasets.items()}
+
+
+def in_blocks(dataset: ray.data.Dataset, pipeline, rows: int) -> ray.data.Dataset:
+    """The columns the pipeline reads, in blocks of `block_rows`, in order."""
     data = pipeline.data
     text_column = getattr(data, "text_column", None)
     columns = [text_column] if text_column else data.feature_columns or [data.tensor_column]
     columns = [*columns, *([data.label_column] if data.label_column is not None else [])]
-    datasets = {}
-    for name, path in shard_splits(pipeline).items():
-        rows = pq.ParquetFile(path).metadata.num_rows  # the footer alone
-        per_block = block_rows(rows, pipeline.training.workers)
-        datasets[name] = read_parquet(path).select_columns(columns).repartition(
-            target_num_rows_per_block=per_block)
-    return datasets
+    per_block = block_rows(rows, pipeline.training.workers)
+    return dataset.select_columns(columns).repartition(target_num_rows_per_block=per_block)
+
+
+def split_name(data, split: str):
+    """What an error about a split's rows names: its file, or the dataset handed over."""
+    if data.source in ("ray_dataset", "hf_dataset"):
+        from raydp_train.data.ray_dataset_checks import where
+
+        return where(data, split)
+    return file_splits(data)[split]
 
 
 def block_rows(rows: int, workers: int) -> int:
@@ -94,18 +116,32 @@ class ShardEveryRow(DataConfig):
     """Ray Train's default split (`equal=True`) may drop rows so that every worker gets as
     many; Poisson sampling needs every row in exactly one shard, so shard sizes may differ.
 
-    Rank r gets the r-th of W contiguous runs of blocks, in file order: the same rows for the
-    same files and W wherever the workers run (a streaming split hands blocks to whichever
-    worker asks first), so a seeded run samples the same examples on one node or several.
-    Each worker reads (and tokenizes) only its blocks."""
+    Rank r gets the r-th of W contiguous runs of rows, in order, cut where W runs of
+    `block_rows` blocks would end (`shard_bounds`): the same rows for the same rows and W
+    however the dataset was cut into blocks (a Parquet file, or a Ray Dataset handed over)
+    and wherever the workers run (a streaming split hands blocks to whichever worker asks
+    first), so a seeded run samples the same examples on one node or several. Each worker
+    reads (and tokenizes) only its rows."""
 
     def configure(self, datasets, world_size: int, worker_handles, worker_node_ids, **kwargs):
         shards = [{} for _ in range(world_size)]
         for name, dataset in datasets.items():
-            dataset.context.execution_options.preserve_order = True  # blocks in file order
-            for rank, shard in enumerate(dataset.split(world_size, equal=False)):
+            dataset.context.execution_options.preserve_order = True  # blocks in order
+            if world_size == 1:
+                shards[0][name] = dataset.iterator()
+                continue
+            blocks = dataset.materialize()  # in the object store: the references alone here
+            bounds = shard_bounds(blocks.count(), world_size)
+            for rank, shard in enumerate(blocks.split_at_indices(bounds)):
                 shards[rank][name] = shard.iterator()
         return shards
+
+
+def shard_bounds(rows: int, workers: int) -> list[int]:
+    """Where ranks 1..W-1's rows start: after whole runs of `block_rows` blocks, as many per
+    worker (the last worker's run may be shorter, or empty when there are few rows)."""
+    per_worker = max(1, math.ceil(rows / (workers * BATCH_ROWS))) * block_rows(rows, workers)
+    return [min(rows, rank * per_worker) for rank in range(1, workers)]
 
 
 def materialize(shard, pipeline, split: str, feature_shape: tuple[int, ...],
@@ -115,7 +151,7 @@ def materialize(shard, pipeline, split: str, feature_shape: tuple[int, ...],
     text tokenized here with `tokenizer` (models.hf_files.tokenizer_source); the labels of
     `labels_as`'s (dtype, one row's shape): targets.LabelKind.label_array."""
     dtype, label_shape = labels_as
-    path = file_splits(pipeline.data)[split]
+    path = split_name(pipeline.data, split)
     features, labels = [], []
     for batch in shard.iter_batches(batch_size=BATCH_ROWS, batch_format="pyarrow"):
         batch_features, batch_labels = shard_rows(batch, pipeline.data, path, tokenizer)

@@ -100,8 +100,10 @@ def write_predictions(predicted: np.ndarray, path: Path) -> None:
         pq.write_table(table, path)
 
 
-def predict(run_dir: Path, data: Path) -> Predictions:
-    """The run's model on every row of `data`, in batches, in this process."""
+def predict(run_dir: Path, data) -> Predictions:
+    """The run's model on every row of `data`, in batches, in this process: a file, or rows
+    held in memory (a ray.data.Dataset, a Hugging Face Dataset, a pyarrow Table), read as
+    the run read its rows and never written anywhere."""
     import torch
 
     from raydp_train.data.targets import ClassIds, label_kind
@@ -111,7 +113,10 @@ def predict(run_dir: Path, data: Path) -> Predictions:
     kind = label_kind(pipeline.data)
     # A regression or multi-label model's width, as recorded (class ids: read from the file).
     width = None if isinstance(kind, ClassIds) else _recorded(run_dir)["num_classes"]
-    dataset, labelled = _read(pipeline, data, width)
+    if isinstance(data, (str, Path)):
+        dataset, labelled = _read(pipeline, Path(data), width)
+    else:
+        dataset, labelled = _read_rows(pipeline, _arrow(data), width)
     dataset = dataset.to_torch()
     with torch.no_grad():
         outputs = torch.cat([model(batch) for batch in dataset.test_features.split(256)])
@@ -200,6 +205,8 @@ def _read(pipeline, data: Path, width: int | None):
     from raydp_train.models.hf_files import tokenizer_source
 
     kind = pipeline.data.source
+    if kind in ("ray_dataset", "hf_dataset"):  # rows handed over: the same columns in a file
+        kind = "parquet"
     if kind not in ("parquet", *CONVERTED):
         raise PredictError(f"predict reads files laid out as the run's data; this run "
                            f"trained on data.source {kind}")
@@ -213,6 +220,8 @@ def _read(pipeline, data: Path, width: int | None):
     with tempfile.TemporaryDirectory() as scratch:
         source = data if labelled else _unlabeled_copy(pipeline, data, Path(scratch), width)
         raw = pipeline.model_dump(mode="json")
+        for field in ("name", "split", "test_split", "validation_split"):  # hf_dataset's
+            raw["data"].pop(field, None)
         raw["data"].update(source="parquet", path=str(source), test_path=str(source),
                            validation=None)
         raw["tune"] = None  # a sweep's metric needs the validation split dropped here
@@ -242,15 +251,49 @@ def _has_labels(pipeline, data: Path) -> bool:
 def _unlabeled_copy(pipeline, data: Path, scratch: Path, width: int | None) -> Path:
     """A copy of `data` (no label column) in `scratch` with placeholder labels (class 0, or
     `width` zeros): the loader checks labels, predictions ignore them."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(data)
+    copy = scratch / data.name
+    pq.write_table(_with_placeholder(pq.read_table(data), pipeline, width), copy)
+    return copy
+
+
+def _with_placeholder(table, pipeline, width: int | None):
+    import pyarrow as pa
+
     names = pipeline.data.label_names
     placeholder = pa.array([names[0]] * table.num_rows) if names else pa.array(
         np.zeros(table.num_rows, np.int64))
     if width is not None:
         placeholder = pa.array([[0.0] * width] * table.num_rows)
-    copy = scratch / data.name
-    pq.write_table(table.append_column(pipeline.data.label_column, placeholder), copy)
-    return copy
+    return table.append_column(pipeline.data.label_column, placeholder)
+
+
+def _arrow(rows):
+    """Rows held in memory as one Arrow table (a Ray Dataset's blocks fetched here)."""
+    import pyarrow as pa
+
+    if isinstance(rows, pa.Table):
+        return rows
+    if hasattr(rows, "to_arrow_refs"):  # ray.data.Dataset
+        import ray
+
+        return pa.concat_tables([ray.get(ref) for ref in rows.to_arrow_refs()])
+    if hasattr(rows, "flatten_indices"):  # a Hugging Face datasets.Dataset
+        return rows.flatten_indices().data.table
+    raise PredictError(f"data: a file, a ray.data.Dataset, a Hugging Face Dataset or a pyarrow "
+                       f"Table, got {type(rows).__name__}")
+
+
+def _read_rows(pipeline, table, width: int | None):
+    """Rows in memory read as a run's workers read their shard (data/shards.py)."""
+    from raydp_train.data.shards import shard_rows
+    from raydp_train.data.sources import Dataset
+    from raydp_train.models.hf_files import tokenizer_source
+
+    if not (labelled := pipeline.data.label_column in table.column_names):
+        table = _with_placeholder(table, pipeline, width)
+    features, labels = shard_rows(table, pipeline.data, "the rows given",
+                                  tokenizer_source(pipeline.model))
+    return Dataset(features[:0], labels[:0], features, labels,
+                   width or pipeline.model.num_classes or 0), labelled

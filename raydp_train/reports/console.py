@@ -93,3 +93,11 @@ def print_summary(record: dict, path) -> None:
         if not privacy["for_release"]:
             print("  noise was seeded (run.seed): reproducible, NOT for release")
     print(f"run record              {path}")
+
+
+def run_header(pipeline, plan, run_dir) -> str:
+    """The lines a run starts with: what it will do, and where it writes."""
+    mechanism = plan.mechanism.label
+    return (f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} "
+            f"examples, {pipeline.training.workers} worker(s), q={plan.sampling_rate:.4g}, "
+            f"sigma={plan.noise_multiplier:.4g}, C={plan.clip_norm:g}\nrun directory: {run_dir}")

@@ -11,10 +11,9 @@ the full trace written to the run directory.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
-from raydp_train.errors import UserError
+from raydp_train.errors import causes, user_error_in
 
 ERROR_LOG = "error.log"
 
@@ -43,37 +42,3 @@ def explain(error: BaseException, run_dir: Path) -> Exception:
     innermost = list(causes(error))[-1]
     summary = (str(innermost).strip().splitlines() or [""])[-1][:300]
     return WorkerBug(f"the run failed: {type(innermost).__name__}: {summary} ({where})")
-
-
-def user_error_in(error: BaseException) -> UserError | None:
-    """The first UserError in the graph of `error`'s causes (a worker's, a data task's)."""
-    for cause in causes(error):
-        if isinstance(cause, UserError) and not _is_ray_wrapper(cause):
-            return cause
-    return None
-
-
-def causes(error: BaseException) -> Iterator[BaseException]:
-    """`error`, then what it wraps, breadth first: each worker's failure (by rank), a remote
-    task's cause, a controller's failure, Python's own chaining."""
-    queue, seen = [error], set()
-    while queue:
-        current = queue.pop(0)
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        failures = getattr(current, "worker_failures", None) or {}
-        queue.extend(failures[rank] for rank in sorted(failures))
-        for attribute in ("cause", "controller_failure", "__cause__", "__context__"):
-            wrapped = getattr(current, attribute, None)
-            if isinstance(wrapped, BaseException):
-                queue.append(wrapped)
-
-
-def _is_ray_wrapper(error: BaseException) -> bool:
-    """A RayTaskError made to look like its cause (`as_instanceof_cause`): its text is a
-    remote traceback; the cause itself comes next in `causes`."""
-    from ray.exceptions import RayTaskError
-
-    return isinstance(error, RayTaskError)

@@ -33,7 +33,7 @@ from raydp_train.checks.sweep_spending import (
     random_stopping_spend,
 )
 from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_dict
-from raydp_train.runs.worker_errors import user_error_in
+from raydp_train.errors import user_error_in
 from raydp_train.sweeps.best_alone import best_alone
 from raydp_train.sweeps.progress import progress_printer
 from raydp_train.sweeps.search import param_space, scheduler, search_algorithm

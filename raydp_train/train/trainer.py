@@ -3,6 +3,7 @@ checkpoints, restarts and progress lines. Knows nothing of the math inside a ste
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -16,7 +17,7 @@ from ray.train.torch import TorchTrainer
 
 from raydp_train.budget.actor import BudgetClient
 from raydp_train.config.pipeline import Pipeline, pipeline_from_dict
-from raydp_train.data.shards import ShardEveryRow, shard_splits, split_datasets
+from raydp_train.data.shards import ShardEveryRow, shard_ready, shard_splits, split_datasets
 from raydp_train.data.sources import load_data
 from raydp_train.models.hf_files import tokenizer_source
 from raydp_train.train.charges import Charged, RunAccount, RunCharges, epsilon_cap
@@ -24,6 +25,7 @@ from raydp_train.train.context import RayTrainContext, clear_stop, request_stop,
 from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.progress_lines import RowReader
 from raydp_train.train.quiet import ray_logging_level
+from raydp_train.train.ray_configs import RaySettings, record_storage
 from raydp_train.train.result import TrainResult
 from raydp_train.train.waits import watch_waits
 from raydp_train.train.worker import train
@@ -87,25 +89,25 @@ def fit(
     concurrent_runs: int = 1,
     on_progress: Callable[[dict], None] | None = None,
     after_step: Callable[[object, int], None] | None = None,
+    ray_settings=None, ray_datasets: dict | None = None,
 ) -> TrainResult:
     """Train on Ray Train with `training.workers` workers; resumes if `run_dir` has a checkpoint.
-
     With `budget`, rank 0 reserves each epoch from that global budget as `owner`; with
     `ceiling` (a random-stopping trial), the run never charges more than it. Parquet
     splits that are files of their own reach the workers as Ray Data shards (data/shards.py;
     `dataset`, the driver's checked summary, then gives only their shape); any other
     `dataset` (loaded, e.g. split in memory, by the driver) through the object store.
-    `after_step(context, step)` runs on every rank after each step: the tests' fault
-    injection (tests/faults.py), pickled to the workers.
+    `after_step(context, step)` runs on every rank after each step (tests/faults.py).
     `concurrent_runs`: how many runs (a sweep's trials) may share the machines with this one.
     `on_progress` gets rank 0's place within an epoch every PROGRESS_EVERY_S seconds.
-    """
+    `ray_settings`: a RunConfig's storage, callbacks, runtime env (train/ray_configs.py);
+    `ray_datasets`: a ray_dataset pipeline's splits, each worker reading its shard."""
     run_dir = Path(run_dir).resolve()
     for name, value in TRAIN_SETTINGS.items():  # a user's own value wins
         os.environ.setdefault(name, value)
     run_dir.mkdir(parents=True, exist_ok=True)
     rows = RowReader(run_dir)  # before any worker starts: every row of this fit, once
-    splits = shard_splits(pipeline)  # the splits that reach the workers as shards, or None
+    shards = _shards(pipeline, ray_datasets, dataset)  # splits for the workers' shards, or None
     config = {
         "pipeline": pipeline.model_dump(mode="json"),
         "plan": plan,
@@ -115,9 +117,10 @@ def fit(
         "owner": owner or run_dir.name,
         "ceiling": ceiling,
         "concurrent_runs": concurrent_runs,
-        **_data_for_workers(pipeline, dataset, splits),
+        **_data_for_workers(pipeline, dataset, shards),
     }
-    trainer = _torch_trainer(pipeline, run_dir, config, splits, callbacks)
+    record_storage(run_dir, ray_settings := ray_settings or RaySettings())  # for a resume
+    trainer = _torch_trainer(pipeline, run_dir, config, shards, ray_settings, callbacks)
     clear_stop(run_dir)
     stop = threading.Event()
     reporters = _reporters(rows, on_epoch, on_progress, stop)
@@ -135,6 +138,14 @@ def fit(
     return trained
 
 
+def _shards(pipeline: Pipeline, ray_datasets: dict | None, dataset) -> dict | None:
+    """The Ray Datasets whose shards the workers read: the Parquet split files', or those
+    handed to run() (`dataset`: their checked summary); None: the rows come another way."""
+    if ray_datasets is not None:
+        return shard_ready(ray_datasets, pipeline, dataset.num_train)
+    return split_datasets(pipeline) if shard_splits(pipeline) is not None else None
+
+
 def _reporters(rows: RowReader, on_epoch, on_progress, stop: threading.Event) -> list:
     """The driver's threads while the workers run: their rows shown, a wait for resources
     said (train/waits.py), until `stop`."""
@@ -144,15 +155,19 @@ def _reporters(rows: RowReader, on_epoch, on_progress, stop: threading.Event) ->
     return [printer, watch_waits(stop, lambda line: print(line, flush=True))]
 
 
-def _torch_trainer(pipeline: Pipeline, run_dir: Path, config: dict, splits: dict | None,
-                   callbacks: list | None) -> TorchTrainer:
-    """Ray Train's trainer of the run: its workers, their shards, restarts and checkpoints."""
-    shards = splits is not None
+def _torch_trainer(pipeline: Pipeline, run_dir: Path, config: dict, shards: dict | None,
+                   settings: RaySettings, callbacks: list | None) -> TorchTrainer:
+    """Ray Train's trainer of the run: its workers, their shards, restarts and checkpoints
+    (under the RunConfig's storage_path when one was given, else the run directory)."""
+    given = settings.failure_config or FailureConfig()
+    limit = given.controller_failure_limit
+    failures = dataclasses.replace(given, max_failures=pipeline.run.max_failures,
+                                   controller_failure_limit=3 if limit == -1 else limit)
     return TorchTrainer(
         _train_loop_per_worker,
         train_loop_config=config,
-        datasets=split_datasets(pipeline) if shards else None,
-        dataset_config=ShardEveryRow() if shards else None,
+        datasets=shards,
+        dataset_config=ShardEveryRow() if shards is not None else None,
         scaling_config=ScalingConfig(
             num_workers=pipeline.training.workers, use_gpu=pipeline.training.use_gpu,
             resources_per_worker=pipeline.training.worker_bundle(),  # runs/resources.py checks it
@@ -160,12 +175,12 @@ def _torch_trainer(pipeline: Pipeline, run_dir: Path, config: dict, splits: dict
         ),
         run_config=RunConfig(
             name=run_dir.name,
-            storage_path=str(run_dir.parent),
-            failure_config=FailureConfig(
-                max_failures=pipeline.run.max_failures, controller_failure_limit=3
-            ),
+            storage_path=settings.storage_path or str(run_dir.parent),
+            storage_filesystem=settings.storage_filesystem,
+            failure_config=failures,
             checkpoint_config=CheckpointConfig(num_to_keep=pipeline.run.keep_checkpoints),
-            callbacks=callbacks,
+            callbacks=[*(callbacks or []), *settings.callbacks],
+            worker_runtime_env=settings.worker_runtime_env,
         ),
     )
 

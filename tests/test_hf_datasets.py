@@ -1,0 +1,94 @@
+"""`data.source: hf_dataset`: a Hugging Face dataset saved with `save_to_disk` trains as the
+same rows in Parquet do (same metrics and epsilon), its splits taken by name, nothing copied
+under run.output_dir; its errors name the dataset and split; a name is loaded from the local
+cache only (offline)."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_ray_datasets import files_holding_rows, pipeline_dict, rows, with_tokens
+
+import raydp_train as rt
+
+datasets = pytest.importorskip("datasets")
+
+
+def save(tmp_path, splits: dict[str, pa.Table], folder: str = "hf") -> str:
+    datasets.DatasetDict({name: datasets.Dataset(table) for name, table in splits.items()}
+                         ).save_to_disk(str(tmp_path / folder))
+    return str(tmp_path / folder)
+
+
+def hf_pipeline(tmp_path, **data) -> rt.Pipeline:
+    raw = pipeline_dict(tmp_path, {"source": "hf_dataset", **data})
+    raw["training"]["epochs"] = 1
+    return rt.Pipeline.from_dict(raw)
+
+
+def test_validate_reads_the_splits_by_name_without_ray(tmp_path):
+    path = save(tmp_path, {"fit": rows(300, 1), "held": rows(80, 2)})
+    plan = rt.validate(hf_pipeline(tmp_path, path=path, split="fit", test_split="held"))
+    assert plan.num_examples == 300
+    cut = rt.validate(hf_pipeline(tmp_path, path=path, split="fit", test_split=None,
+                                  train_fraction=0.75))
+    assert cut.num_examples == 225  # as run's cut: round(0.25 * 300) rows held out
+    with pytest.raises(rt.UserError, match=r"data.test_split: .*hf has no split 'test'; it has "
+                                           r"'fit', 'held'"):
+        rt.validate(hf_pipeline(tmp_path, path=path, split="fit"))
+
+
+def test_bad_rows_are_refused_naming_the_dataset_and_split(tmp_path):
+    bad = rows(300, 1)
+    bad = bad.set_column(0, "a", pa.array([None, *bad.column("a").to_pylist()[1:]]))
+    path = save(tmp_path, {"train": bad, "test": rows(80, 2)})
+    with pytest.raises(rt.UserError, match=r"data: column 'a' in .*hf, split 'train' has 1 null"):
+        rt.validate(hf_pipeline(tmp_path, path=path))
+    with pytest.raises(rt.UserError, match="data.path: .* is not a folder written by a Hugging "
+                                           "Face dataset's save_to_disk"):
+        rt.validate(hf_pipeline(tmp_path, path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("data, message", [
+    ({}, "data.path: set exactly one of path"),
+    ({"path": "x", "name": "y"}, "data.path: set exactly one of path"),
+    ({"name": "y", "validation_split": "dev"}, "data.validation_split: set data.validation"),
+    ({"name": "y", "validation": {"private": False}},
+     ("data.validation.fraction: set exactly one of data.validation.fraction or "
+      "data.validation_split")),
+    ({"name": "y", "max_rows": 10}, "data.max_rows: not with source hf_dataset"),
+])
+def test_the_section_is_refused_by_name(tmp_path, data, message):
+    with pytest.raises(rt.UserError, match=message):
+        hf_pipeline(tmp_path, **data)
+
+
+def test_a_name_is_read_from_the_local_cache_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    with pytest.raises(rt.UserError, match=r"data.name: 'nobody/absent-set' is not in the local "
+                                           r"Hugging Face cache \(loaded offline"):
+        rt.validate(hf_pipeline(tmp_path, name="nobody/absent-set"))
+
+
+def test_a_saved_dataset_trains_as_the_same_rows_in_parquet(ray_session, tmp_path):
+    train, test = rows(400, 1), rows(100, 2)
+    for name, table in (("train", train), ("test", test)):
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+    raw = pipeline_dict(tmp_path, {"source": "parquet", "path": str(tmp_path / "train.parquet"),
+                                   "test_path": str(tmp_path / "test.parquet")})
+    raw["training"]["epochs"] = 1
+    from_files = rt.run(rt.Pipeline.from_dict(raw), on_line=None, on_epoch=None)
+    marked = [with_tokens(train, "train"), with_tokens(test, "test")]
+    path = save(tmp_path, {"train": marked[0], "test": marked[1]})
+    output = tmp_path / "hf-runs"
+    pipeline = hf_pipeline(tmp_path, path=path)
+    pipeline = pipeline.model_copy(update={"run": pipeline.run.model_copy(
+        update={"output_dir": str(output)})})
+    handed = rt.run(pipeline, on_line=None, on_epoch=None)
+    assert handed.status == from_files.status == "completed"
+    assert handed.metrics[-1]["test_accuracy"] == from_files.metrics[-1]["test_accuracy"]
+    assert [row["train_loss"] for row in handed.metrics] == pytest.approx(
+        [row["train_loss"] for row in from_files.metrics], rel=1e-9)
+    assert handed.epsilon == from_files.epsilon
+    assert files_holding_rows(output, marked) == []
+    assert np.isfinite(handed.metrics[-1]["train_loss"])
