@@ -31,6 +31,9 @@ RUN_ELSEWHERE = {
     "training.worker_resources": "a custom resource the test Ray's node lacks, refused: "
                                  "tests/test_no_silent_wait.py",
     "tune": "`raydp-train tune`: tests/test_budget_ray.py, tests/test_faults.py",
+    "privacy.unit": "user: tests/test_user_level_ray.py (each mechanism on 2 workers)",
+    "privacy.rows_per_user": "unit user only: tests/test_user_level_ray.py",
+    "data.user_column": "unit user only: tests/test_user_level_ray.py",
     "model.task": "causal_lm: tests/test_causal_lm_run.py (a run on 2 workers, generate)",
     "model.lm_loss": "causal_lm only: tests/test_causal_lm_run.py",
     "model.factory": "model.kind torch: tests/test_custom_model.py (a run on 2 workers)",

@@ -52,13 +52,18 @@ def check_data_and_plan(pipeline: Pipeline, for_training: bool) -> tuple[Dataset
     classes_field = "model.num_labels" if pipeline.model.kind == "hf" else "model.num_classes"
     dataset = load_data(pipeline.data, pipeline.model.num_classes,
                         tokenizer_source(pipeline.model), classes_field, tokenize=tokenize)
+    units, unit = dataset.num_units, pipeline.privacy.unit
+    if dataset.train_users is not None:
+        from raydp_train.data.users import state_rows_per_user
+
+        state_rows_per_user(dataset.train_users, pipeline.privacy.rows_per_user)
     # make_plan allows q = 1 (tests use it for an exact full-batch step); a pipeline may not.
-    if pipeline.training.batch_size >= dataset.num_train:
+    if pipeline.training.batch_size >= units:
         raise PlanError(
-            f"training.batch_size: must be < the {dataset.num_train} training examples (q = "
+            f"training.batch_size: must be < the {units} training {unit}s (q = "
             "batch_size / N must be < 1: at q = 1 every step takes every example, with no "
             f"amplification by sampling), got {pipeline.training.batch_size}")
-    return dataset, make_plan(pipeline, dataset.num_train)
+    return dataset, make_plan(pipeline, units)
 
 
 def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes: int,

@@ -101,6 +101,9 @@ def check_auditable(pipeline, trials: int) -> None:
             f"privacy.mechanism: the audit measures {', '.join(auditable)}, got "
             f"{mechanism.name!r}" + ("" if mechanism.private
                                      else " (not private: there is no claim to audit)"))
+    if pipeline.privacy.unit == "user":
+        raise PlanError("privacy.unit: the audit plants a canary example, not a canary user, "
+                        "yet; audit the same q, sigma and steps per example")
     if pipeline.model.kind not in AUDITABLE_MODELS:
         raise ModelError(
             f"model.kind: the audit trains many small models in this process and supports "

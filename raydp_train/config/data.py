@@ -102,6 +102,8 @@ class ParquetData(Section):
     train_fraction: TrainFraction = 0.8  # used only when test_path is None
     random_state: Seed = 42
     max_rows: int | None = Field(None, ge=2)  # of path's rows, a random_state-seeded subset
+    # Who wrote each training row (any type; privacy.unit: user protects each of them whole).
+    user_column: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _one_feature_source(self) -> ParquetData:

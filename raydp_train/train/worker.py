@@ -18,7 +18,6 @@ from raydp_train.models.builders import build_model
 from raydp_train.models.frozen_precision import keep_frozen_in
 from raydp_train.models.hf_files import tokenizer_source
 from raydp_train.privacy.noise import make_generator, make_noise_generator
-from raydp_train.privacy.sampling import micro_batches, poisson_sample
 from raydp_train.train import evaluation
 from raydp_train.train.charges import Charged, ChargeRefused
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
@@ -26,6 +25,7 @@ from raydp_train.train.engine_checks import EngineChecks
 from raydp_train.train.optim import make_optimizer, make_schedule, schedule_scale
 from raydp_train.train.plan import PrivacyPlan
 from raydp_train.train.result import TrainResult
+from raydp_train.train.sampled_batches import StepSampler
 from raydp_train.train.step import AUTOCAST_DTYPES, private_step
 from raydp_train.train.threads import use_threads
 
@@ -97,8 +97,8 @@ class WorkerRun:
         # Rank 0 alone draws the noise: ONE draw of std sigma*C per step for the whole world.
         self.std = (self.mechanism.noise_std(plan.noise_multiplier, plan.clip_norm)
                     if context.rank == 0 else 0.0)
-        self.sampling_generator, _ = make_generator(
-            None if seed is None else seed + 1 + context.rank)
+        sampling_generator, _ = make_generator(None if seed is None else seed + 1 + context.rank)
+        self.sampler = StepSampler(local, plan, training.max_physical_batch, sampling_generator)
         self.engine_checks = EngineChecks(pipeline.privacy.self_check, shared_seed + 1,
                                           context.gather, AUTOCAST_DTYPES[training.precision])
         self.task = plan.task
@@ -170,10 +170,7 @@ class WorkerRun:
         first_step = self.step
         while self.step < end:
             self.mechanism.refresh(self.step, epoch)
-            sample = poisson_sample(self.local.num_train, plan.sampling_rate,
-                                    self.sampling_generator)
-            batches = _micro_batches(self.local, sample, self.prefix_outputs,
-                                     training.max_physical_batch, context.device)
+            batches = self.sampler.micro_batches(self.prefix_outputs, context.device)
             context.releasing_step(self.step)  # on record before its noisy gradient can leave
             stats = private_step(
                 self.model, self.clipper, self.optimizer, batches, self.loss, self.std,
@@ -276,16 +273,6 @@ def _local_rows(pipeline, context, dataset, data_shape):
         dataset = load_data(pipeline.data, pipeline.model.num_classes,
                             tokenizer_source(pipeline.model))
     return dataset.rows(context.rank, context.world_size).to_torch()
-
-
-def _micro_batches(local: Dataset, sample, prefix_outputs, size: int, device):
-    """(features, labels) of each micro-batch of the sampled rows `sample` of this rank; the
-    features are (tokens, cached prefix outputs) when the frozen prefix is cached."""
-    for rows in micro_batches(sample, size):
-        features = local.train_features[rows].to(device)
-        if prefix_outputs is not None:
-            features = (features, prefix_outputs[rows].to(device))
-        yield features, local.train_labels[rows].to(device)
 
 
 def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
