@@ -279,7 +279,8 @@ def _open_budget(pipeline: Pipeline, on_line):
 
     if pipeline.budget is None:
         return None
-    budget = open_budget(pipeline.budget)  # refuses a ledger older than its witness
+    # Refuses a ledger older than its witness, and a budget of another privacy.unit.
+    budget = open_budget(pipeline.budget, pipeline.privacy.unit)
     # ... or older than a run record of this pipeline: refused before any grant.
     check_against_runs(pipeline.budget.name, pipeline.budget.ledger, pipeline.run.output_dir)
     on_line(f"{status_text(budget.status()).splitlines()[0]}\nledger: "
@@ -290,5 +291,5 @@ def _open_budget(pipeline: Pipeline, on_line):
 def _header(pipeline: Pipeline, plan, run_dir: Path) -> str:
     mechanism = plan.mechanism.label
     return (f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} "
-            f"examples, {pipeline.training.workers} worker(s), q={plan.sampling_rate:.4g}, "
+            f"{plan.unit}s, {pipeline.training.workers} worker(s), q={plan.sampling_rate:.4g}, "
             f"sigma={plan.noise_multiplier:.4g}, C={plan.clip_norm:g}\nrun directory: {run_dir}")

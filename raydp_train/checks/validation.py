@@ -91,7 +91,7 @@ def spending(pipeline: Pipeline, plan: PrivacyPlan) -> dict:
         whole, sweep_epsilon, _ = sweep_spending(pipeline, plan)
     left = can_pay = None
     if pipeline.budget is not None and plan.private:
-        book = book_of(pipeline.budget, pipeline.run.output_dir)
+        book = book_of(pipeline.budget, pipeline.run.output_dir, pipeline.privacy.unit)
         left, can_pay = book.status()["epsilon_remaining"], _propose(book, whole).granted
     return {"sweep_epsilon": sweep_epsilon, "budget_epsilon_left": left,
             "budget_can_pay": can_pay}
@@ -101,7 +101,7 @@ def _print_budget(pipeline: Pipeline) -> BudgetBook:
     from raydp_train.budget.ledger_reading import book_of
 
     budget = pipeline.budget
-    book = book_of(budget, pipeline.run.output_dir)
+    book = book_of(budget, pipeline.run.output_dir, pipeline.privacy.unit)
     status = book.status()
     print(f"spends from budget      {budget.name} (epsilon {budget.epsilon:g}, delta "
           f"{budget.delta:g}, {budget.accountant.upper()}; ledger {as_uri(budget.ledger)})")
