@@ -153,6 +153,7 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
     from raydp_train.data.targets import label_kind
     from raydp_train.privacy.clipping import PerExampleClipper
     from raydp_train.privacy.self_check import SelfCheckError, compare_with_per_example
+    from raydp_train.privacy.user_clipping import rows_as_examples
     from raydp_train.train.step import AUTOCAST_DTYPES, in_precision
     from raydp_train.train.tasks import task_of
 
@@ -170,9 +171,10 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
     training = model.training
     model.train()
     try:
-        report = compare_with_per_example(engine, in_precision(loss, precision, "cpu"),
-                                          (model, features, labels), settings.examples,
-                                          AUTOCAST_DTYPES[precision], random.Random(0))
+        with rows_as_examples(engine):  # privacy.unit user: the rows are what is checked
+            report = compare_with_per_example(engine, in_precision(loss, precision, "cpu"),
+                                              (model, features, labels), settings.examples,
+                                              AUTOCAST_DTYPES[precision], random.Random(0))
     finally:
         model.train(training)
     if not report.passed:

@@ -21,6 +21,9 @@ nn.MultiheadAttention, LSTM, EmbeddingBag) are refused by name.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor, nn
 
@@ -94,3 +97,18 @@ def group_by_user(used: list, calls: dict[nn.Module, LayerCalls], users: Tensor 
         recorded.output_grads = [by_user(g) for g in recorded.output_grads]
         recorded.input_versions = [x._version for x in recorded.inputs]
     return layout.shape[0]
+
+
+@contextmanager
+def rows_as_examples(clipper) -> Iterator[None]:
+    """The engine clipping rows, not users, for the length of a self-check: the check is of the
+    rows (each row's own gradient, the model keeping rows apart); users only regroup them."""
+    unit = getattr(clipper, "unit", None)  # None: an engine that clips nothing
+    if unit is None:
+        yield
+        return
+    clipper.unit = "example"
+    try:
+        yield
+    finally:
+        clipper.unit = unit

@@ -10,14 +10,14 @@ the step (no second pass)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from raydp_train.privacy.clipping import MicroBatchStats, PerExampleClipper
 from raydp_train.privacy.self_check import SelfCheckError, compare_with_per_example
+from raydp_train.privacy.user_clipping import rows_as_examples
 
 
 class EngineChecks:
@@ -51,7 +51,7 @@ class EngineChecks:
         of its own once every rank passed."""
         failure, stats = None, None
         if args is not None:
-            with rows_as_examples(clipper, users):
+            with rows_as_examples(clipper):
                 report = compare_with_per_example(clipper, compute_losses, args,
                                                   self.settings.examples, self.forward_dtype,
                                                   chooser=self._rows, keep_pass=users is None)
@@ -65,15 +65,3 @@ class EngineChecks:
             stats = clipper.accumulate(compute_losses, *args, users=users)
         return stats
 
-
-@contextmanager
-def rows_as_examples(clipper: PerExampleClipper, users: Tensor | None) -> Iterator[None]:
-    """The engine clipping rows, not users, for the length of a self-check."""
-    if users is None:
-        yield
-        return
-    clipper.unit = "example"
-    try:
-        yield
-    finally:
-        clipper.unit = "user"
