@@ -23,7 +23,8 @@ def print_validation(pipeline: Pipeline, dataset, plan: PrivacyPlan,
     if not structure_checked(pipeline, model_built):
         print("model structure         files checked; what trains is checked by `run` before "
               "anything is spent, or now by `validate --check-model` (seconds)")
-    print(f"training examples N     {plan.num_examples} (test {len(dataset.test_labels)})")
+    print(f"training {plan.unit}s N{' ' * (12 - len(plan.unit))}{plan.num_examples} "
+          f"(test {len(dataset.test_labels)})")
     print(f"sampling rate q         {plan.sampling_rate:.6g} (expected batch {plan.expected_batch_size})")
     print(f"steps                   {plan.steps}")
     if not plan.private:
