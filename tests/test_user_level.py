@@ -141,9 +141,21 @@ def test_a_user_level_run_trains_locally(tmp_path, mechanism):
     assert result.self_checks[0][0] >= 1  # the rows' self-check ran before the first release
 
 
-def test_the_audit_refuses_a_user_level_pipeline_by_name(tmp_path):
-    from raydp_train.commands.audit import check_auditable
-    from raydp_train.train.plan import PlanError
+def test_the_audit_plants_a_canary_user_clipped_once(tmp_path, monkeypatch):
+    """Without noise the watched weight shows exactly the canary user's clipped share s, never
+    its 4 rows' 4 s (what clipping each row would give); with noise, the audit stays within
+    the claim."""
+    from raydp_train.checks.preflight import check_pipeline
+    from raydp_train.commands.audit import _CanaryRuns, audit_pipeline
 
-    with pytest.raises(PlanError, match="privacy.unit: the audit plants a canary example"):
-        check_auditable(user_pipeline(tmp_path), 8)
+    pipeline = user_pipeline(tmp_path, noise_multiplier=4.0)
+    dataset, plan = check_pipeline(pipeline)
+    result = audit_pipeline(pipeline, dataset, plan, trials=10, seed=0)
+    assert result.unit == "user" and result.consistent
+    monkeypatch.setattr("raydp_train.train.step.fill_gaussian_noise_",
+                        lambda tensor, std, generator: tensor.zero_())
+    runs = _CanaryRuns(pipeline, dataset, plan, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    shown = {round(x / runs.signal, 6) for x in runs.train(True, generator, generator)}
+    runs.close()
+    assert shown == {0.0, 1.0}
