@@ -4,6 +4,7 @@ run by name before reserving anything (ARCHITECTURE.md §2.13)."""
 
 import json
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from test_user_level import write_users_file
@@ -54,3 +55,27 @@ def test_every_mechanism_runs_per_user_on_two_workers(ray_session, tmp_path, cap
     assert main(["run", str(write_pipeline(tmp_path, "dpsgd")), *example]) == 2
     assert "privacy.unit: budget 'authors' counts epsilon per user" in capsys.readouterr().err
     assert len(list((tmp_path / "runs").iterdir())) == 3  # the refused run made nothing
+
+
+@pytest.mark.thorough
+def test_a_sweep_spends_per_user_from_a_per_user_budget(ray_session, tmp_path, capsys):
+    """Two trials per user, selected on a public validation file: each trial's charges are
+    per user, and the budget says so."""
+    path = write_pipeline(tmp_path, "dpsgd")
+    write_users_file(tmp_path / "dev.parquet", rows=60, seed=2)
+    pipeline = yaml.safe_load(path.read_text())
+    pipeline["data"]["validation"] = {"path": "dev.parquet", "private": False}
+    pipeline["training"]["workers"] = 1
+    pipeline["budget"]["name"] = "authors-sweep"
+    pipeline["tune"] = {"num_samples": 2, "max_concurrent_trials": 1,
+                        "metric": "validation_accuracy", "mode": "max",
+                        "search_space": {"training.lr": {"choice": [0.05, 0.2]}}}
+    pipeline["run"]["seed"] = 0
+    path.write_text(yaml.safe_dump(pipeline))
+    assert main(["tune", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["budget", "status", "authors-sweep", "--ledger", str(tmp_path / "ledger"),
+                 "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    users = len(set(pq.read_table(tmp_path / "train.parquet").column("author").to_pylist()))
+    assert status["unit"] == "user" and status["steps_spent"] == 2 * (users // 10)

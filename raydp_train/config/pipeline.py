@@ -153,7 +153,6 @@ def _check_unit(p: Pipeline) -> None:
             p.data.validation.fraction is not None or p.data.validation.private),
             ("not with privacy.unit user yet: a released validation count is per example; "
             "use a public validation file (path, private: false)")),
-        "tune": (p.tune is not None, "not with privacy.unit user yet: run single pipelines"),
     }
     for field, (bad, message) in problems.items():
         if bad:
