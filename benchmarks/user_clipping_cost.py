@@ -5,7 +5,7 @@ token model (Embedding, LayerNorm, two Linear layers over T tokens, a head), flo
 
 The same rows are clipped per example and per user (users of k rows each): the user-level
 engine regroups each layer's recorded tensors as [U, k, ...] and its ghost norms then form
-Gram matrices of k T tokens instead of T (ARCHITECTURE.md §2.13). Timed alternately, median
+Gram matrices of k T tokens instead of T (ARCHITECTURE.md §2.14). Timed alternately, median
 of `reps`; RESULTS.md's section is rewritten.
 """
 

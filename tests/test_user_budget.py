@@ -1,4 +1,4 @@
-"""A budget keeps one unit (ARCHITECTURE.md §2.13): a per-user run cannot spend from a
+"""A budget keeps one unit (ARCHITECTURE.md §2.14): a per-user run cannot spend from a
 per-example budget, nor the reverse, refused by name before anything is reserved; a per-user
 budget's ledger says so, and a per-example budget's fragments keep their old format."""
 

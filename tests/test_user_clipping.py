@@ -1,5 +1,5 @@
 """User-level clipping against a naive float64 loop over users: each user's rows summed by
-plain backward passes, clipped once, summed (ARCHITECTURE.md §2.13)."""
+plain backward passes, clipped once, summed (ARCHITECTURE.md §2.14)."""
 
 import pytest
 import torch

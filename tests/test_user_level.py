@@ -1,6 +1,6 @@
 """privacy.unit user without Ray: sampling users, their rows on one worker, the checks of the
 user column and of the pipeline, the accounting over users, and a local run
-(ARCHITECTURE.md §2.13)."""
+(ARCHITECTURE.md §2.14)."""
 
 import math
 

@@ -1,6 +1,6 @@
 """privacy.unit user through `raydp-train run` on 2 workers, for every mechanism: the record,
 the summary and `budget status` say per user, and the per-user budget refuses a per-example
-run by name before reserving anything (ARCHITECTURE.md §2.13)."""
+run by name before reserving anything (ARCHITECTURE.md §2.14)."""
 
 import json
 

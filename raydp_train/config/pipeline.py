@@ -129,7 +129,7 @@ class Pipeline(Section):
 
 def _check_unit(p: Pipeline) -> None:
     """privacy.unit user: who wrote each row is known, and nothing releases more per user
-    than one clipped contribution a step (ARCHITECTURE.md §2.13)."""
+    than one clipped contribution a step (ARCHITECTURE.md §2.14)."""
     users = getattr(p.data, "user_column", None)
     if p.privacy.unit == "example":
         if users is not None or p.privacy.rows_per_user is not None:

@@ -65,7 +65,7 @@ class Dataset:
     def rows(self, rank: int, world_size: int) -> Dataset:
         """Every split's rows r with r mod world_size = rank: one worker's share
         (ARCHITECTURE.md §2.10); with users, the training rows of the users u with
-        u mod world_size = rank, so that each user's rows live on one worker (§2.13)."""
+        u mod world_size = rank, so that each user's rows live on one worker (§2.14)."""
         arrays = {name: None if value is None else value[rank::world_size]
                   for name, value in self._arrays().items()}
         if self.train_users is not None:

@@ -1,4 +1,4 @@
-"""Who wrote each training row (`data.user_column`, ARCHITECTURE.md §2.13): the column read
+"""Who wrote each training row (`data.user_column`, ARCHITECTURE.md §2.14): the column read
 and checked like labels, its values mapped to user ids 0..N_users-1."""
 
 from __future__ import annotations

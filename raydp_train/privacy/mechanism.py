@@ -97,7 +97,7 @@ class Mechanism:
 
     @property
     def unit(self) -> str:
-        """privacy.unit: what one clipped contribution is, an example or a user (§2.13)."""
+        """privacy.unit: what one clipped contribution is, an example or a user (§2.14)."""
         return getattr(self.privacy, "unit", "example")
 
     def refresh(self, step: int, epoch: int, force: bool = False) -> None:

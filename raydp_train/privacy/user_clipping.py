@@ -1,4 +1,4 @@
-"""User-level clipping: the user, not the row, is the example (ARCHITECTURE.md §2.13).
+"""User-level clipping: the user, not the row, is the example (ARCHITECTURE.md §2.14).
 
 With `privacy.unit: user` each sampled user u contributes ONE clipped vector, the clipped sum
 of the gradients of its rows R_u in the micro-batch (at most `privacy.rows_per_user` of them):

@@ -1,5 +1,5 @@
 """Poisson sampling of users, each with up to `privacy.rows_per_user` of its rows, and
-micro-batches that never split a user (ARCHITECTURE.md §2.13).
+micro-batches that never split a user (ARCHITECTURE.md §2.14).
 
 Each user joins a logical batch independently with probability q = B / N_users (B: the
 expected number of users per step, `training.batch_size`); a sampled user brings at most

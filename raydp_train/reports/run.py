@@ -63,7 +63,7 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         "expected_batch_size": plan.expected_batch_size,
         "num_examples": plan.num_examples,  # users, with unit user
         # What (epsilon, delta) protects: one example, or one user with all of its rows, each
-        # step using at most rows_per_user of them (ARCHITECTURE.md §2.13).
+        # step using at most rows_per_user of them (ARCHITECTURE.md §2.14).
         "unit": plan.unit,
         "rows_per_user": plan.rows_per_user,
         "validation_releases": releases,  # noisy counts of correct validation predictions

@@ -41,7 +41,7 @@ class PrivacyPlan:
     # What the workers train for (train/tasks.py); None in a user's own loop, which brings
     # its own loss and metrics (train/own_loop.py).
     task: Task | None = None
-    # What N, q and the guarantee count (privacy.unit): examples, or users (§2.13), each user
+    # What N, q and the guarantee count (privacy.unit): examples, or users (§2.14), each user
     # bringing at most rows_per_user rows to a step.
     unit: str = "example"
     rows_per_user: int | None = None

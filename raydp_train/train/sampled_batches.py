@@ -1,6 +1,6 @@
 """A step's logical batch of this rank, as the micro-batches the step clips: Poisson-sampled
 rows (ARCHITECTURE.md §2.1), or Poisson-sampled users with up to `rows_per_user` rows each,
-every user whole in one micro-batch (§2.13)."""
+every user whole in one micro-batch (§2.14)."""
 
 from __future__ import annotations
 

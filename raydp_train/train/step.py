@@ -71,7 +71,7 @@ def private_step(
     by_user = getattr(clipper, "unit", "example") == "user"
     for batch in micro_batches:
         users = {}
-        if by_user:  # the micro-batch's last tensor: its rows' user ids (ARCHITECTURE §2.13)
+        if by_user:  # the micro-batch's last tensor: its rows' user ids (ARCHITECTURE §2.14)
             *batch, users["users"] = batch
         if check_due:  # the check's full pass is this micro-batch's clipped sum
             stats = engine_checks.run(clipper, compute_losses, (model, *batch), **users)
