@@ -290,7 +290,8 @@ def _open_budget(pipeline: Pipeline, on_line):
 
     if pipeline.budget is None:
         return None
-    budget = open_budget(pipeline.budget)  # refuses a ledger older than its witness
+    # Refuses a ledger older than its witness, and a budget of another privacy.unit.
+    budget = open_budget(pipeline.budget, pipeline.privacy.unit)
     # ... or older than a run record of this pipeline: refused before any grant.
     check_against_runs(pipeline.budget.name, pipeline.budget.ledger, pipeline.run.output_dir)
     on_line(f"{status_text(budget.status()).splitlines()[0]}\nledger: "

@@ -31,6 +31,17 @@ RUN_ELSEWHERE = {
     "training.worker_resources": "a custom resource the test Ray's node lacks, refused: "
                                  "tests/test_no_silent_wait.py",
     "tune": "`raydp-train tune`: tests/test_budget_ray.py, tests/test_faults.py",
+    "privacy.unit": "user: tests/test_user_level_ray.py (each mechanism on 2 workers)",
+    "privacy.rows_per_user": "unit user only: tests/test_user_level_ray.py",
+    "data.user_column": "unit user only: tests/test_user_level_ray.py",
+    "data.sampler": "streaming: tests/test_streaming_sampler.py (2 workers; a file several "
+                    "times the object store in the long mode)",
+    "data.sampler_memory_mb": "auto's threshold: tests/test_streaming_sampler.py",
+    "data.name": "source hf_dataset (a dataset in the local cache): tests/test_hf_datasets.py",
+    "data.split": "source hf_dataset: tests/test_hf_datasets.py (a run on 2 workers)",
+    "data.test_split": "source hf_dataset: tests/test_hf_datasets.py",
+    "data.validation_split": "source hf_dataset: tests/test_hf_datasets.py",
+    "training.cpus_per_worker": "a ScalingConfig's resources_per_worker: tests/test_ray_configs.py",
     "model.task": "causal_lm: tests/test_causal_lm_run.py (a run on 2 workers, generate)",
     "model.lm_loss": "causal_lm only: tests/test_causal_lm_run.py",
     "model.factory": "model.kind torch: tests/test_custom_model.py (a run on 2 workers)",

@@ -30,24 +30,24 @@ def actor_name(budget: str) -> str:
     return f"budget:{budget}"
 
 
-def budget_terms(config) -> BudgetTerms:
-    """The terms a pipeline's `budget` section asks for."""
-    return BudgetTerms(config.name, config.epsilon, config.delta, config.accountant)
+def budget_terms(config, unit: str = "example") -> BudgetTerms:
+    """The terms a pipeline's `budget` section asks for, per `unit` (privacy.unit)."""
+    return BudgetTerms(config.name, config.epsilon, config.delta, config.accountant, unit)
 
 
-def open_budget(config) -> BudgetClient:
+def open_budget(config, unit: str = "example") -> BudgetClient:
     """Find or create the accountant of `config` (a pipeline's budget section) and check that
-    its terms and ledger are the ones asked for. Call from the driver."""
-    return _open(budget_terms(config), as_uri(config.ledger), config.persist_across_jobs)
+    its terms (its unit: privacy.unit) and ledger are the ones asked for. Call from the
+    driver."""
+    return _open(budget_terms(config, unit), as_uri(config.ledger), config.persist_across_jobs)
 
 
 def open_existing_budget(name: str, ledger: str) -> BudgetClient:
     """The accountant of a budget that already has a ledger, on the terms it was created with."""
+    from raydp_train.budget.book import terms_of
     from raydp_train.budget.ledger_reading import ledger_rows
 
-    first = ledger_rows(name, ledger)[0]
-    terms = BudgetTerms(name, first["budget_epsilon"], first["budget_delta"], first["accountant"])
-    return _open(terms, as_uri(ledger), detached=False)
+    return _open(terms_of(ledger_rows(name, ledger)[0]), as_uri(ledger), detached=False)
 
 
 def _open(terms: BudgetTerms, ledger_root: str, detached: bool) -> BudgetClient:

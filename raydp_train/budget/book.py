@@ -213,7 +213,8 @@ class BudgetBook:
                 "request_id": request_id, "owner": owner, "reservation": reservation,
                 **spend_fields, "budget_epsilon": self.terms.epsilon,
                 "budget_delta": self.terms.delta, "accountant": self.terms.accountant,
-                "timestamp": time.time(), "running_epsilon": running_epsilon}
+                "timestamp": time.time(), "running_epsilon": running_epsilon,
+                **({"unit": self.terms.unit} if self.terms.unit != "example" else {})}
 
 
 def decision_of(row: dict) -> Decision:
@@ -261,6 +262,11 @@ def check_same_terms(asked: BudgetTerms, held: BudgetTerms) -> None:
     """Refuse a pipeline that asks an existing budget for other terms than it was created with."""
     if asked == held:
         return
+    if asked.unit != held.unit:
+        raise BudgetError(
+            f"privacy.unit: budget '{asked.name}' counts epsilon per {held.unit}; this "
+            f"pipeline spends per {asked.unit}, and the two guarantees do not compose. A budget "
+            f"keeps one unit: set privacy.unit: {held.unit}, or use another budget name")
     differ = [f"budget.{key}" for key in ("epsilon", "delta", "accountant")
               if getattr(asked, key) != getattr(held, key)]
     raise BudgetError(
@@ -274,4 +280,4 @@ def check_same_terms(asked: BudgetTerms, held: BudgetTerms) -> None:
 def terms_of(row: dict) -> BudgetTerms:
     """The budget terms every ledger row carries."""
     return BudgetTerms(row["budget"], row["budget_epsilon"], row["budget_delta"],
-                       row["accountant"])
+                       row["accountant"], row.get("unit") or "example")

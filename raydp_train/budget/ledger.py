@@ -68,8 +68,10 @@ from raydp_train.budget.ledger_schema import (
     LEDGER_SCHEMA,
     SEQ_DIGITS,
     UNCHAINED_SCHEMA,
+    UNIT_SCHEMA,
     fragment_name,
     row_hash,
+    schema_of,
 )
 
 HEAD = "HEAD"  # the head marker: {"seq": newest, "hash": its row's hash}
@@ -138,7 +140,7 @@ class BudgetLedger:
             # A chained row never stands without a head marker: name the row before it first.
             self._advance(self._head, row["seq"] - 1, row["prev_hash"])
         buffer = io.BytesIO()
-        pq.write_table(pa.Table.from_pylist([row], schema=LEDGER_SCHEMA), buffer)
+        pq.write_table(pa.Table.from_pylist([row], schema=schema_of(row)), buffer)
         temporary = f"{self.directory}/.{name}.{uuid.uuid4().hex}.tmp"
         try:
             write_durably(temporary, buffer.getvalue())
@@ -251,7 +253,7 @@ class BudgetLedger:
                 table = pq.read_table(stream)
         except (OSError, pa.ArrowInvalid) as error:
             raise LedgerCorruptError(f"ledger fragment {shown} is unreadable: {error}") from error
-        chained = table.schema.equals(LEDGER_SCHEMA)
+        chained = table.schema.equals(LEDGER_SCHEMA) or table.schema.equals(UNIT_SCHEMA)
         if not (chained or table.schema.equals(UNCHAINED_SCHEMA)) or table.num_rows != 1:
             raise LedgerCorruptError(
                 f"ledger fragment {shown} does not hold exactly one row of the ledger schema"

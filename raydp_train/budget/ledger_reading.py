@@ -34,12 +34,12 @@ def budget_status(name: str, ledger: str) -> dict:
     return replay(rows).status()
 
 
-def book_of(config, runs_folder: str = "") -> BudgetBook:
+def book_of(config, runs_folder: str = "", unit: str = "example") -> BudgetBook:
     """A pipeline's budget (its `budget` section) as its ledger has it now, read without Ray:
     a fresh book if it has no ledger yet; other terms than it was created with are refused,
     as its accountant would; so is a ledger older than a run record in `runs_folder` (the
     pipeline's run.output_dir) or than the witness beside it."""
-    terms = BudgetTerms(config.name, config.epsilon, config.delta, config.accountant)
+    terms = BudgetTerms(config.name, config.epsilon, config.delta, config.accountant, unit)
     rows = check_against_runs(config.name, config.ledger, runs_folder)
     book = replay(rows, terms)
     check_same_terms(terms, book.terms)

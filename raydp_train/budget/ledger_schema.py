@@ -33,13 +33,22 @@ LEDGER_SCHEMA = pa.schema([
 ])
 # Ledgers written before the chain: read alike, their rows linked by no hash.
 UNCHAINED_SCHEMA = pa.schema([f for f in LEDGER_SCHEMA if f.name != "prev_hash"])
+# A per-user budget's rows (privacy.unit user) carry its unit; a per-example budget's rows are
+# written as before it existed, so older ledgers read and hash unchanged.
+UNIT_SCHEMA = pa.schema([*LEDGER_SCHEMA, ("unit", pa.string())])
 KINDS = ("open", "reserve", "settle", "reset")
 SEQ_DIGITS = 12
 
 
+def schema_of(row: dict) -> pa.Schema:
+    """The schema a row is stored in: with its unit only for a per-user budget."""
+    return UNIT_SCHEMA if row.get("unit") is not None else LEDGER_SCHEMA
+
+
 def row_hash(row: dict) -> str:
     """SHA-256 of a row's recorded fields (its link to the row before included)."""
-    fields = {field.name: _as_stored(field.type, row.get(field.name)) for field in LEDGER_SCHEMA}
+    schema = schema_of(row)
+    fields = {field.name: _as_stored(field.type, row.get(field.name)) for field in schema}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 

@@ -27,6 +27,9 @@ class BudgetTerms:
     epsilon: float
     delta: float
     accountant: str = "rdp"
+    # What the budget's epsilon protects: one example, or one user (privacy.unit). A budget
+    # keeps one unit: a per-user guarantee and a per-example one do not compose.
+    unit: str = "example"
 
 
 @dataclass(frozen=True)

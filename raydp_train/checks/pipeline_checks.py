@@ -64,13 +64,18 @@ def check_data_and_plan(pipeline: Pipeline, for_training: bool,
     else:
         dataset = load_data(pipeline.data, pipeline.model.num_classes,
                             tokenizer_source(pipeline.model), classes_field, tokenize=tokenize)
+    units, unit = dataset.num_units, pipeline.privacy.unit
+    if dataset.train_users is not None:
+        from raydp_train.data.users import state_rows_per_user
+
+        state_rows_per_user(dataset.train_users, pipeline.privacy.rows_per_user)
     # make_plan allows q = 1 (tests use it for an exact full-batch step); a pipeline may not.
-    if pipeline.training.batch_size >= dataset.num_train:
+    if pipeline.training.batch_size >= units:
         raise PlanError(
-            f"training.batch_size: must be < the {dataset.num_train} training examples (q = "
+            f"training.batch_size: must be < the {units} training {unit}s (q = "
             "batch_size / N must be < 1: at q = 1 every step takes every example, with no "
             f"amplification by sampling), got {pipeline.training.batch_size}")
-    return dataset, make_plan(pipeline, dataset.num_train)
+    return dataset, make_plan(pipeline, units)
 
 
 def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes: int,
@@ -160,6 +165,7 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
     from raydp_train.data.targets import label_kind
     from raydp_train.privacy.clipping import PerExampleClipper
     from raydp_train.privacy.self_check import SelfCheckError, compare_with_per_example
+    from raydp_train.privacy.user_clipping import rows_as_examples
     from raydp_train.train.step import AUTOCAST_DTYPES, in_precision
     from raydp_train.train.tasks import task_of
 
@@ -177,9 +183,10 @@ def check_engine(pipeline: Pipeline, model: nn.Module, engine, feature_shape: tu
     training = model.training
     model.train()
     try:
-        report = compare_with_per_example(engine, in_precision(loss, precision, "cpu"),
-                                          (model, features, labels), settings.examples,
-                                          AUTOCAST_DTYPES[precision], random.Random(0))
+        with rows_as_examples(engine):  # privacy.unit user: the rows are what is checked
+            report = compare_with_per_example(engine, in_precision(loss, precision, "cpu"),
+                                              (model, features, labels), settings.examples,
+                                              AUTOCAST_DTYPES[precision], random.Random(0))
     finally:
         model.train(training)
     if not report.passed:

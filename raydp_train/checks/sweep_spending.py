@@ -112,7 +112,7 @@ def first_refusal(pipeline: Pipeline, plan) -> str:
 
     first = (random_stopping_spend(pipeline, plan) if pipeline.tune.selection == "random_stopping"
              else trials_spend(pipeline, plan, 1))
-    book = book_of(pipeline.budget, pipeline.run.output_dir)
+    book = book_of(pipeline.budget, pipeline.run.output_dir, pipeline.privacy.unit)
     decision, _, _ = book.propose("preflight", "first trial", first)
     return "" if decision.granted else decision.reason
 

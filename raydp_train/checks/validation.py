@@ -23,7 +23,8 @@ def print_validation(pipeline: Pipeline, dataset, plan: PrivacyPlan,
     if not structure_checked(pipeline, model_built):
         print("model structure         files checked; what trains is checked by `run` before "
               "anything is spent, or now by `validate --check-model` (seconds)")
-    print(f"training examples N     {plan.num_examples} (test {len(dataset.test_labels)})")
+    print(f"training {plan.unit}s N{' ' * (12 - len(plan.unit))}{plan.num_examples} "
+          f"(test {len(dataset.test_labels)})")
     print(f"sampling rate q         {plan.sampling_rate:.6g} (expected batch {plan.expected_batch_size})")
     print(f"steps                   {plan.steps}")
     if not plan.private:
@@ -91,7 +92,7 @@ def spending(pipeline: Pipeline, plan: PrivacyPlan) -> dict:
         whole, sweep_epsilon, _ = sweep_spending(pipeline, plan)
     left = can_pay = None
     if pipeline.budget is not None and plan.private:
-        book = book_of(pipeline.budget, pipeline.run.output_dir)
+        book = book_of(pipeline.budget, pipeline.run.output_dir, pipeline.privacy.unit)
         left, can_pay = book.status()["epsilon_remaining"], _propose(book, whole).granted
     return {"sweep_epsilon": sweep_epsilon, "budget_epsilon_left": left,
             "budget_can_pay": can_pay}
@@ -101,7 +102,7 @@ def _print_budget(pipeline: Pipeline) -> BudgetBook:
     from raydp_train.budget.ledger_reading import book_of
 
     budget = pipeline.budget
-    book = book_of(budget, pipeline.run.output_dir)
+    book = book_of(budget, pipeline.run.output_dir, pipeline.privacy.unit)
     status = book.status()
     print(f"spends from budget      {budget.name} (epsilon {budget.epsilon:g}, delta "
           f"{budget.delta:g}, {budget.accountant.upper()}; ledger {as_uri(budget.ledger)})")

@@ -44,6 +44,11 @@ from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.mechanism import MECHANISMS, mechanism_named
 from raydp_train.privacy.noise import make_generator, noise_std
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
+from raydp_train.privacy.user_sampling import (
+    sample_user_rows,
+    user_rows,
+    whole_user_micro_batches,
+)
 from raydp_train.train.plan import PlanError, PrivacyPlan
 from raydp_train.train.step import cross_entropy_loss, private_step
 
@@ -53,6 +58,9 @@ CANARY_LABEL = -1
 # The canary's value on the extra input, relative to C: its gradient is clipped by ~1000x,
 # so all but ~5e-7 of its clipped norm C lands on the watched weight.
 CANARY_INPUT_PER_CLIP_NORM = 1000.0
+# privacy.unit user: the canary is a user of this many canary rows (at most rows_per_user),
+# whose summed gradient is clipped once: per-row clipping would show CANARY_ROWS times C.
+CANARY_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class AuditResult:
     seed: int  # every run's sampling and noise come from generators seeded by it
     elapsed_s: float
     test: MembershipTest  # on the held-out half of the runs
+    unit: str = "example"  # privacy.unit: the canary is an example, or a user of several rows
 
     @property
     def epsilon_lower_bound(self) -> float:
@@ -160,6 +169,7 @@ def audit_pipeline(
         noise_multiplier=plan.noise_multiplier, clip_norm=plan.clip_norm, steps=plan.steps,
         trials=trials, seed=seed, elapsed_s=time.monotonic() - started,
         test=membership_test(scores[True], scores[False], plan.delta, confidence),
+        unit=plan.unit,
     )
 
 
@@ -172,17 +182,22 @@ class _CanaryRuns:
         real = dataset.train_features.reshape(dataset.num_train, -1).float()
         extra = real.shape[1]  # index of the extra input
         canary_input = CANARY_INPUT_PER_CLIP_NORM * max(plan.clip_norm, 1.0)
-        canary = torch.zeros(1, extra + 1)
-        canary[0, extra] = canary_input
+        rows = 1 if plan.unit == "example" else min(CANARY_ROWS, plan.rows_per_user)
+        canary = torch.zeros(rows, extra + 1)
+        canary[:, extra] = canary_input
         self.features = torch.cat([nn.functional.pad(real, (0, 1)), canary])
-        self.labels = torch.cat([dataset.train_labels, torch.tensor([CANARY_LABEL])])
+        self.labels = torch.cat([dataset.train_labels, torch.full((rows,), CANARY_LABEL)])
         self.num_real = dataset.num_train
+        self.users = None  # privacy.unit user: every row's user, the canary user last
+        if plan.unit == "user":
+            real_users = dataset.train_users.long()
+            self.users = torch.cat([real_users, torch.full((rows,), int(real_users.max()) + 1)])
         with torch.random.fork_rng():  # seed the initialization, not the global RNG
             torch.manual_seed(seed)
             self.model = build_model(pipeline.model, (extra + 1,), dataset.num_classes)
         self.first_layer = next(m for m in self.model.modules() if isinstance(m, nn.Linear))
         self.initial_state = deepcopy(self.model.state_dict())
-        self.clipper = PerExampleClipper(self.model, plan.clip_norm)
+        self.clipper = PerExampleClipper(self.model, plan.clip_norm, unit=plan.unit)
         self.watched = self.clipper.slots[self.first_layer]["weight"][0, extra]  # a view
         # The canary's gradient (M on the watched weight, 1 on the bias) clipped to norm C.
         self.signal = canary_input / math.hypot(canary_input, 1.0)
@@ -202,17 +217,27 @@ class _CanaryRuns:
         self.model.load_state_dict(self.initial_state)
         self.model.train()
         optimizer = make_optimizer(self.model, self.training)
-        population = self.num_real + int(with_canary)  # the canary is the last row
         in_units_of_clip_norm = plan.expected_batch_size / plan.clip_norm
         observations = []
         for _ in range(plan.steps):
-            sample = poisson_sample(population, plan.sampling_rate, sampling_generator)
-            batches = ((self.features[i], self.labels[i])
-                       for i in micro_batches(sample, self.training.max_physical_batch))
+            batches = self._sample(with_canary, sampling_generator)
             private_step(self.model, self.clipper, optimizer, batches, self.losses,
                          self.noise_std, plan.expected_batch_size, noise_generator)
             observations.append(self.watched.item() * in_units_of_clip_norm)
         return observations
+
+    def _sample(self, with_canary: bool, generator: torch.Generator) -> list[tuple]:
+        """A step's micro-batches: rows, or users whole with their ids (the canary last)."""
+        size, plan = self.training.max_physical_batch, self.plan
+        if self.users is None:
+            population = self.num_real + int(with_canary)  # the canary is the last row
+            sample = poisson_sample(population, plan.sampling_rate, generator)
+            return [(self.features[i], self.labels[i]) for i in micro_batches(sample, size)]
+        users = self.users if with_canary else self.users[:self.num_real]
+        rows, ids = sample_user_rows(user_rows(users), plan.sampling_rate, plan.rows_per_user,
+                                     generator)
+        return [(self.features[i], self.labels[i], u)
+                for i, u in whole_user_micro_batches(rows, ids, size)]
 
     def close(self) -> None:
         self.clipper.close()
@@ -243,7 +268,8 @@ def audit_text(result: AuditResult) -> str:
                     "run.seed to reproduce)")),
         ("budget", "nothing spent: audit runs are experiments, not releases"),
     ]
-    header = (f"audit of {result.pipeline}: DP-SGD, q={result.sampling_rate:.4g}, "
+    canary = "" if result.unit == "example" else f", per user (a canary user of {CANARY_ROWS} rows)"
+    header = (f"audit of {result.pipeline}: DP-SGD{canary}, q={result.sampling_rate:.4g}, "
               f"sigma={result.noise_multiplier:.4g}, C={result.clip_norm:g}, "
               f"{result.steps} steps, delta={result.delta:g}")
     footer = "a lower bound, not a guarantee: above the claim it proves a leak; below, nothing"

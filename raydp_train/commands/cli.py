@@ -200,7 +200,13 @@ def audit_command(args) -> int:
 
 
 def report(args) -> int:
-    from raydp_train.reports.run import metrics_table, noise_description, read_record, write_plots
+    from raydp_train.reports.run import (
+        metrics_table,
+        noise_description,
+        read_record,
+        unit_words,
+        write_plots,
+    )
 
     try:
         record = read_record(Path(args.run_dir))
@@ -212,7 +218,7 @@ def report(args) -> int:
     print(f"\nprivacy: epsilon {privacy['epsilon']:.4f} at delta {privacy['delta']:g} "
           f"({privacy['accountant'].upper()}), q={privacy['sampling_rate']:.4g}, "
           f"sigma={privacy['noise_multiplier']:.4g}, C={privacy['clip_norm']:g}, "
-          f"{privacy['steps']} steps, {privacy['workers']} worker(s)")
+          f"{privacy['steps']} steps, {privacy['workers']} worker(s), {unit_words(privacy)}")
     print(f"noise: {noise_description(privacy)}")
     if record.get("baselines"):
         print(f"to beat: {baselines_text(record['baselines'])}")

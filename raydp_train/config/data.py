@@ -108,6 +108,8 @@ class ParquetData(Section):
     # streams when a worker's share of the file (uncompressed) exceeds sampler_memory_mb.
     sampler: Literal["memory", "streaming", "auto"] = "auto"
     sampler_memory_mb: int = Field(2048, ge=1)
+    # Who wrote each training row (any type; privacy.unit: user protects each of them whole).
+    user_column: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _one_feature_source(self) -> ParquetData:
@@ -172,6 +174,9 @@ def streaming_refusal(data, cache_frozen_prefix: bool = False,
                 "test_path, or data.sampler memory"), "data.sampler")
     if data.max_rows is not None:
         return "a subset is drawn in the driver's memory: remove it", "data.max_rows"
+    if getattr(data, "user_column", None) is not None:
+        return (("streaming draws rows, not users (privacy.unit user): use data.sampler "
+                 "memory"), "data.sampler")
     if data.validation is not None and data.validation.path is None:
         return "cuts rows in memory: use data.validation.path", "data.validation.fraction"
     if cache_frozen_prefix:

@@ -126,6 +126,7 @@ class Pipeline(Section):
             _check_tune(self)
         _check_task(self)
         _check_sampler(self)
+        _check_unit(self)
         return self
 
 
@@ -137,6 +138,38 @@ def _check_sampler(p: Pipeline) -> None:
                                 p.tune is not None and p.training.workers == 1)
     if refusal is not None:
         raise FieldProblem(*refusal)
+
+
+def _check_unit(p: Pipeline) -> None:
+    """privacy.unit user: who wrote each row is known, and nothing releases more per user
+    than one clipped contribution a step (ARCHITECTURE.md §2.14)."""
+    users = getattr(p.data, "user_column", None)
+    if p.privacy.unit == "example":
+        if users is not None or p.privacy.rows_per_user is not None:
+            field = "data.user_column" if users is not None else "privacy.rows_per_user"
+            raise FieldProblem("only with privacy.unit: user (set it, or remove this)", field)
+        return
+    problems = {
+        "data.user_column": (users is None or p.data.source in ("ray_dataset", "hf_dataset"),
+                             ("privacy.unit user needs the column naming who wrote each row "
+                             "(data.source parquet, csv or json)")),
+        "privacy.mechanism": (not p.privacy.private, "privacy.unit user is for a private run"),
+        "privacy.rows_per_user": (not p.privacy.rows_per_user or p.privacy.rows_per_user
+                                  > p.training.max_physical_batch,
+                                  ("privacy.unit user needs the cap on rows a user brings to a "
+                                  "step, at most training.max_physical_batch (a user's rows "
+                                  "are clipped in one micro-batch)")),
+        "data.test_path": (users is not None and getattr(p.data, "test_path", None) is None,
+                           ("privacy.unit user: give the test rows a file of their own (a "
+                           "train_fraction cut would split users' rows)")),
+        "data.validation": (p.data.validation is not None and (
+            p.data.validation.fraction is not None or p.data.validation.private),
+            ("not with privacy.unit user yet: a released validation count is per example; "
+            "use a public validation file (path, private: false)")),
+    }
+    for field, (bad, message) in problems.items():
+        if bad:
+            raise FieldProblem(message, field)
 
 
 def _check_task(p: Pipeline) -> None:

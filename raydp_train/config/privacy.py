@@ -81,6 +81,10 @@ class PrivacyConfig(Section):
     # per-example normalization): every example contributes just under C, no C to tune.
     clipping: Literal["fixed", "automatic"] = "fixed"
     stability: float = Field(0.01, gt=0, le=1e6)  # automatic clipping's gamma
+    # What one clipped contribution is: an example (a row), or a user (data.user_column): all
+    # of a sampled user's rows, at most rows_per_user of them, summed and clipped once.
+    unit: Literal["example", "user"] = "example"
+    rows_per_user: int | None = Field(None, ge=1)  # the cap, with unit user (required there)
 
     @model_validator(mode="after")
     def _one_noise_spec(self) -> PrivacyConfig:

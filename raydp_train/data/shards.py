@@ -37,6 +37,8 @@ def file_splits(data) -> dict[str, Path] | None:
         return None
     if getattr(data, "max_rows", None) is not None:  # a subset, read by the driver: small
         return None
+    if getattr(data, "user_column", None) is not None:  # shards by user: split in memory
+        return None
     validation = data.validation
     if validation is not None and validation.path is None:
         return None

@@ -26,6 +26,7 @@ from raydp_train.data.columns import (
 from raydp_train.data.numeric_files import read_numeric_file
 from raydp_train.data.table_files import as_parquet, check_data_file, with_max_rows
 from raydp_train.data.targets import label_kind
+from raydp_train.data.users import read_users
 
 
 @dataclass
@@ -43,10 +44,19 @@ class Dataset:
     # False: text read for checks only (validate, or splits each worker reads for itself):
     # its token arrays are zeros of the right shape, never trained on.
     features_read: bool = True
+    # Who wrote each training row (data.user_column: ids 0..N_users-1), or None.
+    train_users: np.ndarray | None = None
 
     @property
     def num_train(self) -> int:
         return self.train_labels.shape[0]
+
+    @property
+    def num_units(self) -> int:
+        """What q counts: the training rows, or their users (privacy.unit: user)."""
+        if self.train_users is None:
+            return self.num_train
+        return int(np.unique(self.train_users).size)
 
     @property
     def feature_shape(self) -> tuple[int, ...]:
@@ -54,10 +64,15 @@ class Dataset:
 
     def rows(self, rank: int, world_size: int) -> Dataset:
         """Every split's rows r with r mod world_size = rank: one worker's share
-        (ARCHITECTURE.md §2.10)."""
-        return dataclasses.replace(self, **{name: None if value is None else
-                                            value[rank::world_size]
-                                            for name, value in self._arrays().items()})
+        (ARCHITECTURE.md §2.10); with users, the training rows of the users u with
+        u mod world_size = rank, so that each user's rows live on one worker (§2.14)."""
+        arrays = {name: None if value is None else value[rank::world_size]
+                  for name, value in self._arrays().items()}
+        if self.train_users is not None:
+            mine = self.train_users % world_size == rank
+            arrays.update({name: getattr(self, name)[mine]
+                           for name in ("train_features", "train_labels", "train_users")})
+        return dataclasses.replace(self, **arrays)
 
     def _arrays(self) -> dict:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
@@ -105,6 +120,8 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
         dataset.validation_labels = validation[1].astype(kind.dtype)
     elif config.validation is not None:
         _hold_out_validation(dataset, config.validation.fraction, config.random_state)
+    if getattr(config, "user_column", None) is not None:
+        dataset.train_users = read_users(Path(config.path), config.user_column, len(labels))
     return dataset
 
 

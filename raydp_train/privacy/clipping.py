@@ -24,18 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-# Importing these registers the built-in rules (lora: DP-LoRA's adapter layers).
-from raydp_train.privacy import (  # noqa: F401
-    attention_rule,
-    conv_rules,
-    embedding_rule,
-    layer_rules,
-    lora,
-    lstm_rule,
-    norm_rules,
-    prelu_rule,
-    rms_norm_families,
-)
+from raydp_train.privacy import builtin_rules  # noqa: F401 -- registers the built-in rules
 from raydp_train.privacy.covered_layers import (
     BatchDimensionError,
     TrainedSetChangedError,
@@ -59,6 +48,7 @@ from raydp_train.privacy.rounding import full_precision_matmuls, gamma
 from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError, cast_recorded
 from raydp_train.privacy.shared_calls import SharedOutputs, take_shared_path
 from raydp_train.privacy.tied_weights import TieTerm, find_ties, tie_terms
+from raydp_train.privacy.user_clipping import check_groupable, group_by_user
 
 __all__ = [
     "BatchDimensionError", "MicroBatchStats", "ParameterUseError", "PerExampleClipper",
@@ -82,11 +72,13 @@ class PerExampleClipper(LayerRecorder):
     """Accumulates sum_i clip(g_i, C) over micro-batches into a flat gradient buffer."""
 
     def __init__(self, model: nn.Module, clip_norm: float, rules: dict | None = None,
-                 other_layers: str = "per_example", stability: float | None = None):
+                 other_layers: str = "per_example", stability: float | None = None,
+                 unit: str = "example"):
         """`rules` overrides the rule of chosen modules (LSG's low-rank carriers);
         `other_layers` (privacy.other_layers): a module with no rule takes the per-example
         path ("per_example") or is refused ("refuse"); `stability`: automatic clipping,
-        c_i = C / (||g_i|| + stability), instead of min(1, C / ||g_i||)."""
+        c_i = C / (||g_i|| + stability), instead of min(1, C / ||g_i||); `unit`: "user"
+        clips each user's summed rows (user_clipping.py)."""
         if not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         self.model = model
@@ -96,7 +88,7 @@ class PerExampleClipper(LayerRecorder):
         refuse_compiled(model)
         refuse_state_from_the_batch(model)
         self.layers = covered_layers(model, rules or {}, other_layers)
-        self.other_layers = other_layers
+        self.other_layers, self.unit = other_layers, check_groupable(self.layers, unit)
         self._index_rules()
         self.shared_calls: list[str] = []  # modules on the path called without the examples
         self.ties = find_ties(self.layers)
@@ -136,12 +128,14 @@ class PerExampleClipper(LayerRecorder):
         self._axes, self._pass_batch, self._shared_outputs = NO_CHANGE, None, SharedOutputs()
 
     # ------------------------------------------------------------------ public
-    def accumulate(self, compute_losses: Callable[..., Tensor], *args) -> MicroBatchStats:
+    def accumulate(self, compute_losses: Callable[..., Tensor], *args,
+                   users: Tensor | None = None) -> MicroBatchStats:
         """Run forward + backward of one micro-batch; add its clipped sum to `flat_grad`.
 
         `compute_losses(*args)` runs the model and returns the per-example loss vector [B]
         (the engine owns the reduction). A trained parameter that reached the loss outside its
-        layer's forward in this pass is refused by name before anything is summed.
+        layer's forward in this pass is refused by name before anything is summed. `users`
+        ([B] ids, unit "user"): each user's rows are clipped as one example (norms [U]).
         """
         check_trained_set(self.model, self._trained_names)
         if not self._example_axis_checked:
@@ -160,7 +154,7 @@ class PerExampleClipper(LayerRecorder):
             if losses.shape[0] == 0:  # an empty micro-batch adds nothing
                 self.last_clip_basis = self.last_clip_factors = losses.detach().clone()
                 return MicroBatchStats(losses.detach(), losses.detach().clone())
-            return MicroBatchStats(losses.detach(), self._clip_and_sum(losses.shape[0]))
+            return MicroBatchStats(losses.detach(), self._clip_and_sum(losses.shape[0], users))
         finally:
             self._calls = {}
 
@@ -244,8 +238,10 @@ class PerExampleClipper(LayerRecorder):
             raise
 
     # ------------------------------------------------------------------ math
-    def _clip_and_sum(self, batch_size: int) -> Tensor:
+    def _clip_and_sum(self, batch_size: int, users: Tensor | None = None) -> Tensor:
         used = self._used_layers(batch_size)
+        if self.unit == "user" or users is not None:  # [B, ...] rows as [U, k, ...]
+            batch_size = group_by_user(used, self._calls, users, self.unit)
         # A forward under autocast (bf16) records bfloat16 tensors; the norms decide the clip
         # factors the privacy guarantee rests on, so they are computed in the parameters' dtype.
         cast_recorded([self._calls[module] for _, module, _ in used], self.flat_grad.dtype)

@@ -80,7 +80,7 @@ class Mechanism:
         from raydp_train.privacy.clipping import PerExampleClipper
 
         return PerExampleClipper(model, clip_norm, other_layers=self.other_layers,
-                                 stability=self.stability)
+                                 stability=self.stability, unit=self.unit)
 
     @property
     def stability(self) -> float | None:
@@ -94,6 +94,11 @@ class Mechanism:
         """privacy.other_layers: a module without a rule takes the per-example path or is
         refused."""
         return getattr(self.privacy, "other_layers", "per_example")
+
+    @property
+    def unit(self) -> str:
+        """privacy.unit: what one clipped contribution is, an example or a user (§2.14)."""
+        return getattr(self.privacy, "unit", "example")
 
     def refresh(self, step: int, epoch: int, force: bool = False) -> None:
         """Re-derive state that depends on the weights (every step, or when forced after a
@@ -143,7 +148,8 @@ class LowRankSparse(Mechanism):
 
         self.lsg = LowRankSparseGradients(model, self.privacy.lsg, self.generator)
         engine = PerExampleClipper(model, clip_norm, rules=self.lsg.rules,
-                                   other_layers=self.other_layers, stability=self.stability)
+                                   other_layers=self.other_layers, stability=self.stability,
+                                   unit=self.unit)
         self.lsg.bind(engine.slots, engine.flat_grad)
         return engine
 

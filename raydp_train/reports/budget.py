@@ -14,7 +14,8 @@ def status_text(status: dict) -> str:
     lines = [
         (f"budget {status['name']}: epsilon {status['epsilon_counted']:.4f} of "
          f"{status['epsilon']:g} counted, {status['epsilon_remaining']:.4f} remaining "
-         f"(delta {status['delta']:g}, {status['accountant'].upper()})"),
+         f"(delta {status['delta']:g}, {status['accountant'].upper()}), per "
+         f"{status.get('unit', 'example')}"),
         f"steps spent {status['steps_spent']}, reserved (open) {status['steps_reserved']}",
     ]
     if status["resets"]:

@@ -56,7 +56,7 @@ def baselines_text(baselines: dict) -> str:
 
 def print_summary(record: dict, path) -> None:
     """The end of a run: its last metrics and what it spent, from its record.json (`path`)."""
-    from raydp_train.reports.run import noise_description
+    from raydp_train.reports.run import noise_description, unit_words
 
     privacy = record["privacy"]
     delta = privacy["delta"]
@@ -77,7 +77,7 @@ def print_summary(record: dict, path) -> None:
     print(f"trained per step        {training['trained_numbers_per_step']:,} of "
           f"{training['model_parameters']:,} parameters (= all-reduce size)")
     print(f"privacy spent           epsilon {privacy['epsilon']:.4f} at delta {delta:g} "
-          f"({privacy['accountant'].upper()}, {privacy['steps']} steps)")
+          f"({privacy['accountant'].upper()}, {privacy['steps']} steps), {unit_words(privacy)}")
     if privacy["steps_run_again"]:
         print(f"  of those steps        {privacy['steps_run_again']} ran again after a restart "
               "(released twice, with new noise: both count)")
@@ -99,5 +99,5 @@ def run_header(pipeline, plan, run_dir) -> str:
     """The lines a run starts with: what it will do, and where it writes."""
     mechanism = plan.mechanism.label
     return (f"{pipeline.name}: {plan.steps} steps of {mechanism} on {plan.num_examples} "
-            f"examples, {pipeline.training.workers} worker(s), q={plan.sampling_rate:.4g}, "
+            f"{plan.unit}s, {pipeline.training.workers} worker(s), q={plan.sampling_rate:.4g}, "
             f"sigma={plan.noise_multiplier:.4g}, C={plan.clip_norm:g}\nrun directory: {run_dir}")

@@ -61,7 +61,11 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         # Released beyond the steps of the final trajectory: run again after a restart.
         "steps_run_again": max(steps_charged - result.steps_done, 0),
         "expected_batch_size": plan.expected_batch_size,
-        "num_examples": plan.num_examples,
+        "num_examples": plan.num_examples,  # users, with unit user
+        # What (epsilon, delta) protects: one example, or one user with all of its rows, each
+        # step using at most rows_per_user of them (ARCHITECTURE.md §2.14).
+        "unit": plan.unit,
+        "rows_per_user": plan.rows_per_user,
         "validation_releases": releases,  # noisy counts of correct validation predictions
         "release_noise_multiplier": plan.release_noise_multiplier,
         "workers": workers,
@@ -85,6 +89,13 @@ def noise_description(privacy: dict) -> str:
         return (f"fast: {NOISE_SOURCES['fast']} (recorded as \"secure\" before 0.2.0, which "
                 "had no other mode)")
     return f"{privacy['noise_mode']}: {NOISE_SOURCES['seeded']}"
+
+
+def unit_words(privacy: dict) -> str:
+    """Whom the guarantee protects: "per example", or "per user (at most k rows a step)"."""
+    if privacy.get("unit", "example") == "example":
+        return "per example"
+    return f"per user (all of a user's rows; at most {privacy['rows_per_user']} a step)"
 
 
 def training_statement(pipeline: Pipeline, result) -> dict:

@@ -78,7 +78,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
     directory = new_run_dir(pipeline, "sweep")
     on_line(f"{pipeline.name}: sweep over {', '.join(config.search_space)}; "
             f"directory {directory}\nledger: {as_uri(pipeline.budget.ledger)}")
-    budget = open_budget(pipeline.budget)
+    budget = open_budget(pipeline.budget, pipeline.privacy.unit)
     sweep_id = directory.name
     num_samples, trial_budget = config.num_samples, budget
     privacy = {"selection": config.selection, "budget": pipeline.budget.name,

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from raydp_train.privacy.clipping import MicroBatchStats, PerExampleClipper
 from raydp_train.privacy.self_check import SelfCheckError, compare_with_per_example
+from raydp_train.privacy.user_clipping import rows_as_examples
 
 
 class EngineChecks:
@@ -41,20 +42,26 @@ class EngineChecks:
         return due
 
     def run(self, clipper: PerExampleClipper, compute_losses: Callable[..., Tensor],
-            args: tuple | None) -> MicroBatchStats | None:
+            args: tuple | None, users: Tensor | None = None) -> MicroBatchStats | None:
         """Check the micro-batch `args` (None: this rank sampled nothing), then agree with
         the other ranks; raise SelfCheckError on any rank's mismatch. The micro-batch's
         clipped sum is then in the engine's buffer, as `accumulate` leaves it; its stats are
-        returned."""
+        returned. With `users` (privacy.unit user) the check is the rows' (the engine's
+        per-row norms and the model's rows kept apart), and the users' clipped sum a pass
+        of its own once every rank passed."""
         failure, stats = None, None
         if args is not None:
-            report = compare_with_per_example(clipper, compute_losses, args,
-                                              self.settings.examples, self.forward_dtype,
-                                              chooser=self._rows, keep_pass=True)
+            with rows_as_examples(clipper):
+                report = compare_with_per_example(clipper, compute_losses, args,
+                                                  self.settings.examples, self.forward_dtype,
+                                                  chooser=self._rows, keep_pass=users is None)
             added = report.seconds - report.release_seconds
             self.count, self.seconds = self.count + 1, self.seconds + added
             failure, stats = (None if report.passed else report.message()), report.stats
         failures = [message for message in self.gather(failure) if message]
         if failures:
             raise SelfCheckError(failures[0])
+        if users is not None and args is not None:
+            stats = clipper.accumulate(compute_losses, *args, users=users)
         return stats
+

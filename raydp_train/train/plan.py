@@ -41,6 +41,10 @@ class PrivacyPlan:
     # What the workers train for (train/tasks.py); None in a user's own loop, which brings
     # its own loss and metrics (train/own_loop.py).
     task: Task | None = None
+    # What N, q and the guarantee count (privacy.unit): examples, or users (§2.14), each user
+    # bringing at most rows_per_user rows to a step.
+    unit: str = "example"
+    rows_per_user: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.mechanism, type) and issubclass(self.mechanism, Mechanism)):
@@ -85,15 +89,16 @@ class PrivacyPlan:
 def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
     """q = B/N, steps = floor(epochs / q), sigma given or calibrated to the target epsilon."""
     privacy, training = pipeline.privacy, pipeline.training
+    unit = getattr(privacy, "unit", "example")  # N counts users with unit user
     if training.batch_size > num_examples:
         raise PlanError(
-            f"training.batch_size: must be <= the {num_examples} training examples, "
+            f"training.batch_size: must be <= the {num_examples} training {unit}s, "
             f"got {training.batch_size}"
         )
     if privacy.delta >= 1.0 / num_examples:
         raise PlanError(
             f"privacy.delta: must be < 1/N = {1.0 / num_examples:.3g} for N = {num_examples} "
-            f"training examples (delta bounds the chance of a total leak), got {privacy.delta}"
+            f"training {unit}s (delta bounds the chance of a total leak), got {privacy.delta}"
         )
     rate = sampling_rate(training.batch_size, num_examples)
     steps = total_steps(training.epochs, training.batch_size, num_examples)
@@ -132,4 +137,6 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         mechanism=mechanism,
         release_noise_multiplier=release_sigma,
         task=task_of(pipeline),
+        unit=unit,
+        rows_per_user=getattr(privacy, "rows_per_user", None),
     )

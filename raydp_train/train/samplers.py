@@ -1,5 +1,7 @@
 """How a worker gets each step's Poisson sample, cut into micro-batches (`data.sampler`):
-`MemorySampler` holds the rank's shard and draws a mask per step (ARCHITECTURE.md §2.2);
+`MemorySampler` holds the rank's shard and draws a mask per step (ARCHITECTURE.md §2.2), or
+with users (privacy.unit user) draws this rank's users, up to `rows_per_user` rows each, every
+user whole in one micro-batch (§2.14);
 `StreamingSampler` reads the rows each step drew from a training file no worker holds whole
 (§2.13). Both give every step of the run, an empty one as no micro-batch: the rank still takes
 part in the step's all-reduce."""
@@ -13,18 +15,26 @@ import numpy as np
 import torch
 
 from raydp_train.privacy.sampling import micro_batches, poisson_sample
+from raydp_train.privacy.user_sampling import (
+    sample_user_rows,
+    user_rows,
+    whole_user_micro_batches,
+)
 
 
 class MemorySampler:
-    """This rank's training rows in memory; each step includes each row with probability q,
-    from the rank's own generator."""
+    """This rank's training rows in memory; each step includes each row (or, with users,
+    each of this rank's users) with probability q, from the rank's own generator."""
 
     name = "memory"
 
     def __init__(self, local, prefix_outputs, generator: torch.Generator, sampling_rate: float,
-                 max_physical_batch: int, device):
+                 max_physical_batch: int, device, rows_per_user: int | None = None):
         self.local, self.prefix_outputs, self.generator = local, prefix_outputs, generator
         self.sampling_rate, self.size, self.device = sampling_rate, max_physical_batch, device
+        users = getattr(local, "train_users", None)
+        self.users = None if users is None else user_rows(users)
+        self.rows_per_user = rows_per_user
 
     @property
     def num_rows(self) -> int:
@@ -34,14 +44,22 @@ class MemorySampler:
         """Nothing to prepare: each step draws its own mask."""
 
     def step_batches(self) -> Iterator[tuple]:
-        """(features, labels) of each micro-batch of the next step's sample; features are
-        (tokens, cached prefix outputs) when the frozen prefix is cached."""
-        sample = poisson_sample(self.num_rows, self.sampling_rate, self.generator)
-        for rows in micro_batches(sample, self.size):
+        """(features, labels) of each micro-batch of the next step's sample, or with users
+        (features, labels, user ids); features are (tokens, cached prefix outputs) when the
+        frozen prefix is cached."""
+        if self.users is None:
+            sample = poisson_sample(self.num_rows, self.sampling_rate, self.generator)
+            chunks = [(rows, None) for rows in micro_batches(sample, self.size)]
+        else:
+            rows, users = sample_user_rows(self.users, self.sampling_rate, self.rows_per_user,
+                                           self.generator)
+            chunks = whole_user_micro_batches(rows, users, self.size)
+        for rows, users in chunks:
             features = self.local.train_features[rows].to(self.device)
             if self.prefix_outputs is not None:
                 features = (features, self.prefix_outputs[rows].to(self.device))
-            yield features, self.local.train_labels[rows].to(self.device)
+            batch = (features, self.local.train_labels[rows].to(self.device))
+            yield batch if users is None else (*batch, users.to(self.device))
 
 
 class StreamingSampler:
@@ -100,4 +118,5 @@ def make_sampler(kind: str, run, shared_seed: int):
         return StreamingSampler(run.pipeline, plan.sampling_rate, plan.num_examples,
                                 run.context, shared_seed, labels_as)
     return MemorySampler(run.local, run.prefix_outputs, run.sampling_generator,
-                         plan.sampling_rate, training.max_physical_batch, run.context.device)
+                         plan.sampling_rate, training.max_physical_batch, run.context.device,
+                         plan.rows_per_user)

@@ -68,12 +68,16 @@ def private_step(
     fill_gaussian_noise_(clipper.bind_grads(), noise_std, noise_generator)
     check_due = engine_checks is not None and engine_checks.due(clipper)
     loss_sum, count = 0.0, 0
+    by_user = getattr(clipper, "unit", "example") == "user"
     for batch in micro_batches:
+        users = {}
+        if by_user:  # the micro-batch's last tensor: its rows' user ids (ARCHITECTURE §2.14)
+            *batch, users["users"] = batch
         if check_due:  # the check's full pass is this micro-batch's clipped sum
-            stats = engine_checks.run(clipper, compute_losses, (model, *batch))
+            stats = engine_checks.run(clipper, compute_losses, (model, *batch), **users)
             check_due = False
         else:
-            stats = clipper.accumulate(compute_losses, model, *batch)
+            stats = clipper.accumulate(compute_losses, model, *batch, **users)
         loss_sum += stats.losses.sum().item()
         count += stats.losses.shape[0]
     if check_due:  # this rank sampled nothing, but joins the other ranks' verdict
