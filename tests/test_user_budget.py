@@ -4,12 +4,12 @@ budget's ledger says so, and a per-example budget's fragments keep their old for
 
 import pyarrow.parquet as pq
 import pytest
-from raydp_train.config.budget import BudgetConfig
 
 from raydp_train.budget.accountant import BudgetAccountant
 from raydp_train.budget.ledger_reading import book_of, budget_status, verify_ledger
 from raydp_train.budget.ledger_schema import LEDGER_SCHEMA, UNIT_SCHEMA
 from raydp_train.budget.terms import BudgetError, BudgetTerms, Spend
+from raydp_train.config.budget import BudgetConfig
 from raydp_train.reports.budget import status_text
 
 
