@@ -160,7 +160,9 @@ def test_the_run_record_says_which_pooling_ran():
            "model": {"kind": "hf", "config": ARCHITECTURES["bert"]}}
     result = SimpleNamespace(model=classifier(pooling="mean", normalize=True),
                              model_parameters=1, trained_per_step=1, shard_sizes=[5], threads=[1],
-                             self_checks=[(1, 0.01)], per_example_path=[], nodes=["this process"], final_step_sum_std=1.0)
+                             self_checks=[(1, 0.01)], per_example_path=[],
+                             nodes=["this process"], nodes_ever=["this process"],
+                             sampler="memory", final_step_sum_std=1.0)
     statement = training_statement(pipeline_from_dict(raw), result)
     assert statement["pooling"] == "mean" and statement["normalize"] is True
     result.model = classifier()

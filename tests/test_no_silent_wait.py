@@ -9,8 +9,9 @@ import time
 import pytest
 
 from raydp_train.commands.cli import main
-from raydp_train.runs import resources, waits
+from raydp_train.runs import resources
 from raydp_train.runs.resources import ResourceError
+from raydp_train.train import waits
 
 
 @pytest.mark.slow
