@@ -186,9 +186,10 @@ def _run_to_resume(pipeline: Pipeline, resume, new: bool, source: str, rerun_cho
 
 def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = False,
          source: str = "<pipeline>", on_line: Callable[[str], None] | None = _say,
-         datasets: dict | None = None):
+         datasets: dict | None = None, new: bool = False):
     """Run the pipeline's `tune:` sweep, every trial spending from its one budget; the
     SweepResult (trials, best trial, its model), or None when the budget cannot pay a trial.
+    An unfinished sweep of the pipeline whose driver died is continued, unless `new`.
     `datasets`: as run's (the Ray Datasets already tie this driver to its Ray)."""
     from raydp_train.checks.preflight import check_before_ray
     from raydp_train.data.ray_datasets import with_ray_datasets
@@ -209,8 +210,8 @@ def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = Fals
         connect(address, pipeline.training, _cpus(pipeline), verbose)
         warn_if_not_shared(pipeline, address)
 
-    return run_sweep(pipeline, connect=connect_and_warn,
-                     on_line=on_line or _silent)
+    return run_sweep(pipeline, connect=connect_and_warn, on_line=on_line or _silent,
+                     source=source, new=new)
 
 
 def open_budget(name: str, epsilon: float, delta: float, *, ledger: str | None = None,

@@ -16,9 +16,9 @@ from raydp_train.reports.run import new_run_dir
 from raydp_train.runs.reruns import (
     DRIVER,
     RECORD,
-    _live_driver,
     command_choices,
     driving,
+    live_driver,
     resumed_run_dir,
     run_to_continue,
     unfinished_runs,
@@ -91,7 +91,7 @@ def test_the_driver_marker_goes_however_the_run_ends(pipeline):
     with pytest.raises(KeyboardInterrupt), driving(run_dir):
         assert json.loads((run_dir / DRIVER).read_text())["pid"] == os.getpid()
         raise KeyboardInterrupt
-    assert (run_dir / DRIVER).read_text() == "" and not _live_driver(run_dir)
+    assert (run_dir / DRIVER).read_text() == "" and not live_driver(run_dir)
 
 
 def test_a_second_driver_on_a_run_directory_is_refused_before_it_charges(pipeline):

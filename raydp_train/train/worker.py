@@ -140,6 +140,8 @@ class WorkerRun:
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.step, self.first_epoch = state["step"], state["epoch"] + 1
+        if state.get("clip_norm"):  # as adaptive clipping left it (the same C otherwise)
+            self.clipper.clip_norm = state["clip_norm"]
         self.result.metrics = state["metrics"]
         self.mechanism.refresh(self.step, self.first_epoch, force=True)  # restored weights
 
@@ -157,9 +159,14 @@ class WorkerRun:
         row = self._epoch_row(epoch, charged, loss_sum, seen)
         self.context.settle(epoch_charge)
         self.result.metrics.append(row)
-        self.context.report(row, _checkpoint_state(self.model, self.optimizer, self.schedule,
-                                                   epoch, self.step, self.result.metrics))
+        self.context.report(row, self._checkpoint_state(epoch))
         return True
+
+    def _checkpoint_state(self, epoch: int) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "schedule": self.schedule.state_dict(), "epoch": epoch, "step": self.step,
+                "metrics": list(self.result.metrics),
+                "clip_norm": getattr(self.clipper, "clip_norm", None)}  # adaptive: it moves
 
     def _steps(self, epoch: int, end: int, after_step) -> tuple[float, int]:
         """The DP steps up to `end`; (loss sum, examples) of this rank's samples."""
@@ -286,15 +293,3 @@ def _micro_batches(local: Dataset, sample, prefix_outputs, size: int, device):
         if prefix_outputs is not None:
             features = (features, prefix_outputs[rows].to(device))
         yield features, local.train_labels[rows].to(device)
-
-
-def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
-                      metrics: list[dict]) -> dict:
-    return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "schedule": schedule.state_dict(),
-        "epoch": epoch,
-        "step": step,
-        "metrics": list(metrics),
-    }
