@@ -216,6 +216,13 @@ def test_each_documented_field_runs(name, documented_run):
         assert sum(record["training"]["training_rows_per_worker"]) == 300
         assert 0.0 <= record["metrics"][-1]["test_accuracy"] <= 1.0
         assert "validation_accuracy" in record["metrics"][-1]
+    if name == "digits-lora":  # adaptive clipping moved C from clip_norm, saved with the state
+        import torch
+
+        from raydp_train.train.context import STATE_FILE, newest_checkpoint
+
+        state = torch.load(newest_checkpoint(run_dir) / STATE_FILE, weights_only=False)
+        assert record["training"]["clipping"] == "adaptive" and state["clip_norm"] != 1.0
 
 
 # `raydp-train predict` and `load_model` on each model kind as a documented run
