@@ -1,6 +1,8 @@
 """Searchers and schedulers at one fixed total budget, on digits: the best test accuracy a
 `raydp-train tune` sweep of `pipelines/sweep_digits.yaml` reaches with random search, Optuna,
-ASHA and PBT (each on a fresh budget of the same epsilon, 3 seeds), and the sweep's wall time.
+ASHA and PBT (each on a fresh budget of the same epsilon, 3 seeds), and the sweep's wall time;
+and random search over sigma and lr alone with adaptive or automatic clipping (no C to search)
+against the same search over sigma, lr and C with fixed clipping ("random").
 Each sweep runs in a fresh process (its embedded Ray), timed from the outside, with the
 1-minute load average before it.
 
@@ -23,12 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "pipelines/sweep_digits.yaml"
 SPACE = ("{privacy.noise_multiplier: {choice: [1.5, 2.0]}, privacy.clip_norm: {choice: "
          "[0.5, 1.0, 2.0]}, training.lr: {loguniform: [0.003, 0.03]}}")
+NO_C_SPACE = ("{privacy.noise_multiplier: {choice: [1.5, 2.0]}, training.lr: {loguniform: "
+              "[0.003, 0.03]}}")
 METHODS = {
     "random": ["tune.search=random", "tune.scheduler=fifo"],
     "optuna": ["tune.search=optuna", "tune.scheduler=fifo"],
     "asha": ["tune.search=random", "tune.scheduler=asha"],
     "pbt": ["tune.search=random", "tune.scheduler=pbt"],
+    "adaptive": ["tune.search=random", "tune.scheduler=fifo", "privacy.clipping=adaptive"],
+    "automatic": ["tune.search=random", "tune.scheduler=fifo", "privacy.clipping=automatic"],
 }
+NO_C = ("adaptive", "automatic")  # C is not searched
 
 
 def sweep(method: str, seed: int, epsilon: float, samples: int, epochs: int) -> dict:
@@ -41,7 +48,7 @@ def sweep(method: str, seed: int, epsilon: float, samples: int, epochs: int) -> 
                     f"budget.name=bench-{method}-{seed}", f"budget.epsilon={epsilon}",
                     f"run.seed={seed}", f"tune.num_samples={samples}",
                     f"training.epochs={epochs}", "tune.max_concurrent_trials=2",
-                    f"tune.search_space={SPACE}", *overrides]
+                    f"tune.search_space={NO_C_SPACE if method in NO_C else SPACE}", *overrides]
         command = [str(Path(sys.executable).with_name("raydp-train")), "tune", str(SWEEP),
                    *(x for s in settings for x in ("--set", s))]
         started = time.perf_counter()
@@ -64,7 +71,7 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--methods", nargs="*", default=list(METHODS))
+    parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
     args = parser.parse_args()
     rows = []
     for method in args.methods:

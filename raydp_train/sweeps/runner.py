@@ -68,7 +68,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now, source: str = "<pi
 
     from raydp_train.budget.actor import open_budget
     from raydp_train.reports.run import new_run_dir
-    from raydp_train.runs.reruns import driving
+    from raydp_train.runs.reruns import DRIVER, driving
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our own progress lines, not Tune's
     config = pipeline.tune
@@ -90,7 +90,9 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now, source: str = "<pi
             on_line(f"continuing the unfinished sweep {directory} of this pipeline (its driver "
                     f"died; --new starts another): {closed} trial epochs cut short closed with "
                     "the steps they released; finished trials are not run again")
-        return _sweep_in(directory, pipeline, plan, dataset, budget, on_line, resumed is not None)
+        sweep = _sweep_in(directory, pipeline, plan, dataset, budget, on_line, resumed is not None)
+    (directory / DRIVER).unlink(missing_ok=True)  # ended (sweep.json): no driver to mark
+    return sweep
 
 
 def _sweep_in(directory: Path, pipeline: Pipeline, plan, dataset, budget, on_line,
