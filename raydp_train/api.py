@@ -190,10 +190,10 @@ def _run_to_resume(pipeline: Pipeline, resume, new: bool, source: str, rerun_cho
 
 def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = False,
          source: str = "<pipeline>", on_line: Callable[[str], None] | None = _say,
-         datasets: dict | None = None, scaling_config=None, run_config=None):
+         datasets: dict | None = None, scaling_config=None, run_config=None, new: bool = False):
     """Run the pipeline's `tune:` sweep, every trial spending from its one budget; the
-    SweepResult (trials, best trial, its model), or None when the budget cannot pay a trial.
-    `datasets`: as run's (the Ray Datasets already tie this driver to its Ray); each trial's
+    SweepResult, or None when the budget cannot pay a trial. An unfinished sweep of the
+    pipeline whose driver died is continued, unless `new`. `datasets`: as run's; each trial's
     workers and restarts from `scaling_config` / `run_config` (no storage of their own)."""
     from raydp_train.checks.preflight import check_before_ray
     from raydp_train.data.ray_datasets import with_ray_datasets
@@ -215,7 +215,8 @@ def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = Fals
         connect(address, pipeline.training, _cpus(pipeline), verbose)
         warn_if_not_shared(pipeline, address)
 
-    return run_sweep(pipeline, connect=connect_and_warn, on_line=on_line or _silent)
+    return run_sweep(pipeline, connect=connect_and_warn, on_line=on_line or _silent,
+                     source=source, new=new)
 
 
 def open_budget(name: str, epsilon: float, delta: float, *, ledger: str | None = None,

@@ -157,7 +157,9 @@ def runs(files: Path, out: Path) -> dict[str, dict]:
             "name": "digits-lora",
             "data": {"source": "sklearn_digits", "train_fraction": 0.8, "random_state": 1},
             "model": {"kind": "mlp", "hidden_sizes": [16]},
-            "privacy": {**privacy, "mechanism": "lora",
+            "privacy": {**privacy, "mechanism": "lora", "clipping": "adaptive",
+                        "adaptive": {"target_quantile": 0.6, "learning_rate": 0.3,
+                                     "count_noise": 4.0},
                         "lora": {"rank": 2, "alpha": 4.0, "dropout": 0.0, "layers": None,
                                  "train_other": "dpsgd"},
                         "self_check": {"enabled": False}},
@@ -225,6 +227,13 @@ def test_each_documented_field_runs(name, documented_run):
         assert sum(record["training"]["training_rows_per_worker"]) == 300
         assert 0.0 <= record["metrics"][-1]["test_accuracy"] <= 1.0
         assert "validation_accuracy" in record["metrics"][-1]
+    if name == "digits-lora":  # adaptive clipping moved C from clip_norm, saved with the state
+        import torch
+
+        from raydp_train.train.context import STATE_FILE, newest_checkpoint
+
+        state = torch.load(newest_checkpoint(run_dir) / STATE_FILE, weights_only=False)
+        assert record["training"]["clipping"] == "adaptive" and state["clip_norm"] != 1.0
 
 
 # `raydp-train predict` and `load_model` on each model kind as a documented run

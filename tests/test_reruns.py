@@ -16,13 +16,14 @@ from raydp_train.reports.run import new_run_dir
 from raydp_train.runs.reruns import (
     DRIVER,
     RECORD,
-    _live_driver,
     command_choices,
     driving,
+    live_driver,
     resumed_run_dir,
     run_to_continue,
     unfinished_runs,
 )
+from raydp_train.sweeps.resume import SWEEP_RECORD, TRIALS, sweep_to_continue
 
 QUICKSTART = "pipelines/quickstart.yaml"
 COMMAND = "raydp-train run pipelines/quickstart.yaml"
@@ -92,7 +93,7 @@ def test_the_driver_marker_goes_however_the_run_ends(pipeline):
     with pytest.raises(KeyboardInterrupt), driving(run_dir):
         assert json.loads((run_dir / DRIVER).read_text())["pid"] == os.getpid()
         raise KeyboardInterrupt
-    assert (run_dir / DRIVER).read_text() == "" and not _live_driver(run_dir)
+    assert (run_dir / DRIVER).read_text() == "" and not live_driver(run_dir)
 
 
 @pytest.mark.slow
@@ -128,3 +129,44 @@ def test_new_and_resume_cannot_both_be_given(capsys):
         main(["run", QUICKSTART, "--new", "--resume", "runs/x"])
     assert exited.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+SWEEP = "pipelines/sweep_digits.yaml"
+
+
+def _unfinished_sweep(pipeline):
+    """A sweep directory as a killed driver leaves it: Tune's state there, no sweep.json."""
+    directory = new_run_dir(pipeline, "sweep")
+    (directory / TRIALS).mkdir()
+    (directory / TRIALS / "tuner.pkl").write_bytes(b"")  # what Tuner.can_restore looks for
+    return directory
+
+
+@pytest.mark.slow
+def test_the_same_tune_continues_the_unfinished_sweep_unless_told_otherwise(tmp_path):
+    sweep_pipeline = load_pipeline(SWEEP, [f"run.output_dir={tmp_path}/runs"])
+    assert sweep_to_continue(sweep_pipeline, SWEEP, new=False) is None
+    finished = _unfinished_sweep(sweep_pipeline)
+    (finished / SWEEP_RECORD).write_text("{}")
+    new_run_dir(sweep_pipeline, "sweep")  # killed before Tune wrote its state: nothing to restore
+    assert sweep_to_continue(sweep_pipeline, SWEEP, new=False) is None
+    directory = _unfinished_sweep(sweep_pipeline)
+    assert sweep_to_continue(sweep_pipeline, SWEEP, new=False) == directory
+    assert sweep_to_continue(sweep_pipeline, SWEEP, new=True) is None
+    assert directory not in unfinished_runs(sweep_pipeline)  # `run` does not take a sweep
+    driver = _driver_of(directory)
+    try:
+        with pytest.raises(PipelineError, match=f"pid {driver.pid} .* may still be running"):
+            sweep_to_continue(sweep_pipeline, SWEEP, new=False)
+    finally:
+        driver.kill()
+        driver.wait()
+    stopping = ["tune.selection=random_stopping", "tune.random_stopping={mean_trials: 2}",
+                "tune.search_space={training.lr: {loguniform: [0.003, 0.03]}}"]
+    for settings, message in ((["run.on_interrupted=refuse"], "run.on_interrupted: refuse"),
+                              (stopping, "must stay secret")):
+        other = load_pipeline(SWEEP, [f"run.output_dir={tmp_path}/{len(settings)}", *settings])
+        _unfinished_sweep(other)
+        with pytest.raises(PipelineError, match=message) as refused:
+            sweep_to_continue(other, SWEEP, new=False)
+        assert "--new" in str(refused.value) and len(str(refused.value).splitlines()) == 1

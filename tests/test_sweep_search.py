@@ -167,3 +167,57 @@ def test_pbt_counts_every_step_of_every_trial_copied_or_not(ray_session, tmp_pat
             assert len(reserved) == epochs, (trial, len(reserved))
         else:  # at least one epoch before PBT continued it, and every epoch after
             assert len(reserved) >= 1 + epochs - epoch, (trial, epoch, len(reserved))
+
+
+def released_steps(directory) -> dict[str, int]:
+    """By trial: the steps its runs released (every run folder's release logs: its own, and
+    those PBT made when it continued from a checkpoint)."""
+    from pyarrow import fs
+
+    from raydp_train.train.release_log import read_marks
+
+    released: dict[str, int] = {}
+    for log in directory.glob("train/*/charges/released-*.log"):
+        trial = log.parent.parent.name.split("-")[0]
+        steps, _ = read_marks(fs.LocalFileSystem(), str(log))
+        released[trial] = released.get(trial, 0) + len(steps)
+    return released
+
+
+def test_pbt_copies_between_two_worker_trials_and_counts_every_step(ray_session, tmp_path):
+    """Synchronous PBT with 2-worker trials (they cannot run at once on the session's 4 CPUs:
+    each pauses at the interval until the other gets there): the trial behind continues from
+    the checkpoint of the one ahead, in a new run folder whose charges start at the copied
+    step. The budget counts each trial's every step once, copied or not: the ledger's count
+    for each trial is the steps its runs released (their release logs), at least its planned
+    epochs, and the copied epochs are counted once, under the trial that ran them."""
+    epochs = 2
+    _, trials, rows = sweep(
+        tmp_path, "pbt-copy-workers", "training.workers=2", f"training.epochs={epochs}",
+        "tune.scheduler=pbt",
+        "tune.pbt={perturbation_interval: 1, quantile_fraction: 0.5, synch: true}",
+        "tune.search=grid", "tune.num_samples=1", "tune.max_concurrent_trials=2",
+        "tune.search_space={training.lr: {grid: [0.0001, 0.03]}}", epsilon=30.0)
+    directory = next((tmp_path / "runs").glob("sweep-*"))
+    finals = final_reports(directory)
+    assert len(finals) == 2 and all(t["stop_reason"] == "completed" for t in trials), trials
+    assert all(final["continued_from_epoch"] == 1 for final in finals.values()), finals
+    copies = [json.loads(c.read_text()) for c in
+              directory.glob("train/*-1/checkpoint_continued/progress.json")]
+    assert len(copies) == 2 and {c["epoch"] for c in copies} == {1}
+    copied_step = copies[0]["step"]  # the steps of epoch 1
+    settled = {r["reservation"]: r for r in rows if r["kind"] == "settle"}
+    counted: dict[str, int] = {}
+    for reserve in (r for r in rows if r["kind"] == "reserve"):
+        trial = reserve["owner"].split("/")[-1]
+        counted[trial] = counted.get(trial, 0) + settled.get(reserve["reservation"],
+                                                             reserve)["steps"]
+    assert counted == released_steps(directory), (counted, released_steps(directory))
+    assert set(counted) == set(finals), counted
+    for trial, final in finals.items():  # each continued run charged from the copied step on
+        first = min(json.loads(c.read_text())["first_step"] for c in
+                    directory.glob(f"train/{trial}-1/charges/*.json"))
+        assert first == copied_step
+        # Its own epoch 1 before the copy, and every step after it (steps_charged: its
+        # continued run's), each counted once.
+        assert counted[trial] >= copied_step + final["steps_charged"], (trial, counted)

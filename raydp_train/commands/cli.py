@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
             )
             again.add_argument("--new", action="store_true", help=(
                 "start another run even if an unfinished run of this pipeline is there"))
+        if name == "tune":
+            command.add_argument("--new", action="store_true", help=(
+                "start another sweep even if an unfinished sweep of this pipeline is there "
+                "(without it: the newest unfinished one continues, see run.on_interrupted)"))
         if name == "validate":
             command.add_argument("--check-model", action="store_true", help=(
                 "also build a pretrained model (no weights) and check what trains: seconds more"))
@@ -174,7 +178,8 @@ def tune_command(args) -> int:
     from raydp_train import api
 
     pipeline = load_pipeline(args.pipeline, args.overrides)
-    sweep = api.tune(pipeline, address=args.address, verbose=args.verbose, source=args.pipeline)
+    sweep = api.tune(pipeline, address=args.address, verbose=args.verbose, source=args.pipeline,
+                     new=args.new)
     return 0 if sweep is not None and sweep.finished_trials else EXIT_BUDGET_EXHAUSTED
 
 

@@ -46,6 +46,17 @@ class LoraConfig(Section):
         return value
 
 
+class AdaptiveClippingConfig(Section):
+    """Private adaptive clipping (Andrew et al. 2021; privacy/adaptive_clipping.py): C, from
+    privacy.clip_norm, follows a quantile of the per-example gradient norms."""
+
+    target_quantile: float = Field(0.5, gt=0, lt=1)  # gamma: the fraction left unclipped
+    learning_rate: float = Field(0.2, gt=0, le=10)  # eta: C <- C exp(-eta (b~ - gamma))
+    # sigma_b: the noise std on each step's count of examples under C (default: the expected
+    # batch size / 20); the gradient's multiplier rises so the step costs privacy.noise_multiplier
+    count_noise: float | None = Field(None, gt=0, le=1e9)
+
+
 class SelfCheckConfig(Section):
     """The engine against one backward pass per example, on the run's own model and data
     (privacy/self_check.py), before the first noisy gradient is released and then on a
@@ -78,13 +89,15 @@ class PrivacyConfig(Section):
     # torch.func (per_example, exact, materialized for that module), or refused by name.
     other_layers: Literal["per_example", "refuse"] = "per_example"
     # fixed: g_i min(1, C / ||g_i||); automatic: C g_i / (||g_i|| + stability) (Bu et al. 2023,
-    # per-example normalization): every example contributes just under C, no C to tune.
-    clipping: Literal["fixed", "automatic"] = "fixed"
+    # per-example normalization): every example contributes just under C, no C to tune;
+    # adaptive: fixed clipping at a C that follows a quantile of the norms (privacy.adaptive).
+    clipping: Literal["fixed", "automatic", "adaptive"] = "fixed"
     stability: float = Field(0.01, gt=0, le=1e6)  # automatic clipping's gamma
     # What one clipped contribution is: an example (a row), or a user (data.user_column): all
     # of a sampled user's rows, at most rows_per_user of them, summed and clipped once.
     unit: Literal["example", "user"] = "example"
     rows_per_user: int | None = Field(None, ge=1)  # the cap, with unit user (required there)
+    adaptive: AdaptiveClippingConfig | None = None  # adaptive clipping's settings
 
     @model_validator(mode="after")
     def _one_noise_spec(self) -> PrivacyConfig:
@@ -94,6 +107,10 @@ class PrivacyConfig(Section):
                                    "noise_multiplier and target_epsilon", "mechanism")
             return self
         exactly_one(self, "noise_multiplier", "target_epsilon", None)
+        if self.adaptive is not None and self.clipping != "adaptive":
+            raise FieldProblem("only allowed with clipping: adaptive", "adaptive")
+        if self.clipping == "adaptive" and self.adaptive is None:
+            self.adaptive = AdaptiveClippingConfig()
         for name, settings in mechanism_settings().items():
             if getattr(self, name) is not None and self.mechanism != name:
                 raise FieldProblem(f"only allowed with mechanism: {name}", name)

@@ -73,6 +73,9 @@ class PbtConfig(Section):
 
     perturbation_interval: int = Field(1, ge=1)  # epochs
     quantile_fraction: float = Field(0.25, gt=0, le=0.5)
+    # true: every trial waits at each interval for the others (paused, its resources freed):
+    # trials that cannot all run at once still exploit each other
+    synch: bool = False
 
 
 # Fields that set what a trial spends (its sigma, q and steps): drawn once per trial, never

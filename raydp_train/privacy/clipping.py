@@ -73,17 +73,18 @@ class PerExampleClipper(LayerRecorder):
 
     def __init__(self, model: nn.Module, clip_norm: float, rules: dict | None = None,
                  other_layers: str = "per_example", stability: float | None = None,
-                 unit: str = "example"):
+                 unit: str = "example", quantile=None):
         """`rules` overrides the rule of chosen modules (LSG's low-rank carriers);
         `other_layers` (privacy.other_layers): a module with no rule takes the per-example
         path ("per_example") or is refused ("refuse"); `stability`: automatic clipping,
         c_i = C / (||g_i|| + stability), instead of min(1, C / ||g_i||); `unit`: "user"
-        clips each user's summed rows (user_clipping.py)."""
+        clips each user's summed rows (user_clipping.py); `quantile`: adaptive clipping
+        (privacy/adaptive_clipping.py), whose C the step moves after each release."""
         if not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         self.model = model
         self.clip_norm = float(clip_norm)
-        self.stability = stability
+        self.stability, self.quantile = stability, quantile
         refuse_batch_second(model)
         refuse_compiled(model)
         refuse_state_from_the_batch(model)

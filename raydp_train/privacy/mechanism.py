@@ -80,7 +80,8 @@ class Mechanism:
         from raydp_train.privacy.clipping import PerExampleClipper
 
         return PerExampleClipper(model, clip_norm, other_layers=self.other_layers,
-                                 stability=self.stability, unit=self.unit)
+                                 stability=self.stability, unit=self.unit,
+                                 quantile=self.quantile(clip_norm))
 
     @property
     def stability(self) -> float | None:
@@ -88,6 +89,17 @@ class Mechanism:
         if getattr(self.privacy, "clipping", "fixed") != "automatic":
             return None
         return self.privacy.stability
+
+    def quantile(self, clip_norm: float):
+        """privacy.clipping adaptive: C's tracker of a target quantile, starting at
+        `clip_norm` (privacy/adaptive_clipping.py); None otherwise."""
+        if getattr(self.privacy, "clipping", "fixed") != "adaptive":
+            return None
+        from raydp_train.privacy.adaptive_clipping import QuantileClipping
+
+        settings = self.privacy.adaptive
+        return QuantileClipping(clip_norm, settings.target_quantile, settings.learning_rate,
+                                settings.count_noise)
 
     @property
     def other_layers(self) -> str:
@@ -149,7 +161,8 @@ class LowRankSparse(Mechanism):
         self.lsg = LowRankSparseGradients(model, self.privacy.lsg, self.generator)
         engine = PerExampleClipper(model, clip_norm, rules=self.lsg.rules,
                                    other_layers=self.other_layers, stability=self.stability,
-                                   unit=self.unit)
+                                   unit=self.unit,
+                                   quantile=self.quantile(clip_norm))
         self.lsg.bind(engine.slots, engine.flat_grad)
         return engine
 

@@ -119,7 +119,7 @@ def training_statement(pipeline: Pipeline, result) -> dict:
             {"checks": count, "seconds": seconds} for count, seconds in result.self_checks],
         # Modules without a rule whose per-example gradients torch.func computed
         "per_example_path_modules": result.per_example_path,
-        "clipping": pipeline.privacy.clipping,  # fixed, or automatic (per-example normalized)
+        "clipping": pipeline.privacy.clipping,  # fixed, automatic or adaptive (C moves)
     }
     if hasattr(result.model, "pooling"):  # hf: the pooling model.pooling: null resolved to
         head = result.model.pooling_head

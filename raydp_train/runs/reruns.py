@@ -37,7 +37,7 @@ def run_to_continue(pipeline: Pipeline, source: str,
         return None
     newest = unfinished[-1]
     choice = choices(newest)
-    driver = _live_driver(newest)
+    driver = live_driver(newest)
     if driver:
         problem = (f"run: {newest} is a run of this pipeline that has not finished and whose "
                    f"driver ({driver}) may still be running: wait for it; if it is gone, "
@@ -72,20 +72,28 @@ def command_choices(same_command: str) -> Callable[[Path], str]:
 
 
 def unfinished_runs(pipeline: Pipeline) -> list[Path]:
-    """Run directories of this very pipeline without a record, oldest first."""
+    """Run directories of this very pipeline without a record, oldest first (not its sweeps')."""
+    return [run_dir for run_dir in unfinished_dirs(pipeline, "", RECORD)
+            if not run_dir.name.startswith(f"{pipeline.name}-sweep-")]
+
+
+def unfinished_dirs(pipeline: Pipeline, kind: str, finished: str) -> list[Path]:
+    """Directories `<name>[-<kind>]-*` (reports/run.new_run_dir) of this very pipeline without
+    the file `finished` that marks them ended, oldest first."""
     output = pipeline.run.output_dir
     if "://" in output or not Path(output).is_dir():
         return []
     resolved = dump_pipeline(pipeline)
-    runs = []
-    for saved in Path(output).resolve().glob(f"{pipeline.name}-*/pipeline.yaml"):
+    found = []
+    prefix = "-".join(filter(None, (pipeline.name, kind)))
+    for saved in Path(output).resolve().glob(f"{prefix}-*/pipeline.yaml"):
         run_dir = saved.parent
         try:
-            if not (run_dir / RECORD).exists() and saved.read_text() == resolved:
-                runs.append(run_dir)
+            if not (run_dir / finished).exists() and saved.read_text() == resolved:
+                found.append(run_dir)
         except OSError:  # unreadable: not a run this command can continue
             continue
-    return sorted(runs, key=lambda run_dir: (run_dir / "pipeline.yaml").stat().st_mtime)
+    return sorted(found, key=lambda run_dir: (run_dir / "pipeline.yaml").stat().st_mtime)
 
 
 @contextmanager
@@ -135,7 +143,7 @@ def _rewrite(marker: int, text: str) -> None:
     os.pwrite(marker, text.encode(), 0)
 
 
-def _live_driver(run_dir: Path) -> str:
+def live_driver(run_dir: Path) -> str:
     """'pid N on HOST' if the run's driver may still be running, else ''."""
     if not (run_dir / DRIVER).exists():
         return ""

@@ -3,8 +3,8 @@
 Papernot & Steinke's bound (dp-accounting's RepeatAndSelectDpEvent) covers the outputs of
 the best trial and nothing else: not how many trials ran, nor any other trial's releases. So
 the sweep keeps the best trial's row and model, under a name that does not count the trials,
-and removes what Ray Tune wrote of every trial: its records in the sweep directory, the Ray
-Train runs of trials with several workers, and Tune's staging copy in the Ray session folder."""
+and removes what Ray Tune wrote of every trial: its records in the sweep directory, each
+trial's run folders (`train/`), and Tune's staging copy in the Ray session folder."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 BEST = "best"  # the released trial's name
 TUNE_RECORDS = "trials"  # Tune's experiment, in the sweep directory and in its staging
-TRIAL_RUNS = "train"  # the Ray Train runs of trials of several workers
+TRIAL_RUNS = "train"  # each trial's run folders: its charges, release log, checkpoints
 
 
 def best_alone(directory: Path, trials: list[dict], best: dict | None, models: str,

@@ -36,6 +36,7 @@ from raydp_train.config.pipeline import Pipeline, dump_pipeline, pipeline_from_d
 from raydp_train.errors import user_error_in
 from raydp_train.sweeps.best_alone import best_alone
 from raydp_train.sweeps.progress import progress_printer
+from raydp_train.sweeps.resume import TRIALS, close_dead_trials, restored_tuner, sweep_to_continue
 from raydp_train.sweeps.search import param_space, scheduler, search_algorithm
 from raydp_train.sweeps.trial import MODELS, ending_its_run, run_trial
 from raydp_train.train.stops import REFUSALS, StopReason
@@ -59,26 +60,45 @@ class SweepResult:
         return sum(t["stop_reason"] == StopReason.COMPLETED.value for t in self.trials)
 
 
-def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | None:
+def run_sweep(pipeline: Pipeline, connect, on_line=print_now, source: str = "<pipeline>",
+              new: bool = False) -> SweepResult | None:
     """Check, reserve (random stopping), run every trial, and write the sweep's outputs; None
-    when the budget cannot pay for one trial."""
+    when the budget cannot pay for one trial. The unfinished sweep of this pipeline whose
+    driver died is continued (sweeps/resume.py), unless `new`."""
 
     from raydp_train.budget.actor import open_budget
     from raydp_train.reports.run import new_run_dir
+    from raydp_train.runs.reruns import DRIVER, driving
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our own progress lines, not Tune's
     config = pipeline.tune
+    resumed = sweep_to_continue(pipeline, source, new)  # before Ray, and before any spending
     connect()  # first: text data is tokenized by Ray Data
     dataset, plan = check_pipeline(pipeline)
     check_search_space(pipeline, plan)
-    refusal = first_refusal(pipeline, plan)
+    refusal = "" if resumed else first_refusal(pipeline, plan)
     if refusal:  # a spent budget: no trial, no sweep directory, no best.yaml
         on_line(f"STOPPED before any trial: {refusal}")
         return None
-    directory = new_run_dir(pipeline, "sweep")
+    directory = resumed or new_run_dir(pipeline, "sweep")
     on_line(f"{pipeline.name}: sweep over {', '.join(config.search_space)}; "
             f"directory {directory}\nledger: {as_uri(pipeline.budget.ledger)}")
     budget = open_budget(pipeline.budget, pipeline.privacy.unit)
+    with driving(directory, source):
+        if resumed:
+            closed = close_dead_trials(directory, budget)
+            on_line(f"continuing the unfinished sweep {directory} of this pipeline (its driver "
+                    f"died; --new starts another): {closed} trial epochs cut short closed with "
+                    "the steps they released; finished trials are not run again")
+        sweep = _sweep_in(directory, pipeline, plan, dataset, budget, on_line, resumed is not None)
+    (directory / DRIVER).unlink(missing_ok=True)  # ended (sweep.json): no driver to mark
+    return sweep
+
+
+def _sweep_in(directory: Path, pipeline: Pipeline, plan, dataset, budget, on_line,
+              resumed: bool) -> SweepResult:
+    """Run (or continue) the sweep's trials in `directory` and write its outputs."""
+    config = pipeline.tune
     sweep_id = directory.name
     num_samples, trial_budget = config.num_samples, budget
     privacy = {"selection": config.selection, "budget": pipeline.budget.name,
@@ -98,7 +118,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
                 f"{config.random_stopping.mean_trials:g}), reserved epsilon "
                 f"{decision.epsilon_after:.4f} for the whole sweep; only the best trial is "
                 "released (ARCHITECTURE.md §2.7)")
-    tuner = _tuner(pipeline, directory, trial_budget, num_samples, on_line)
+    tuner = _tuner(pipeline, directory, trial_budget, num_samples, on_line, resumed)
     grid = tuner.fit() if num_samples > 0 else None
     trials = [_trial_row(result, config) for result in grid or []]
     best = _best(trials, config)
@@ -109,9 +129,11 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now) -> SweepResult | N
     return _finish(directory, pipeline, trials, best, budget, privacy, dataset, on_line, grid)
 
 
-def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, on_line):
+def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, on_line,
+           resumed: bool = False):
     """Ray Tune's Tuner of the sweep: each trial `run_trial`, spending from `trial_budget`
-    (None: the sweep's one reservation covers every trial)."""
+    (None: the sweep's one reservation covers every trial); `resumed`: restored from the
+    sweep's folder, as its dead driver left it."""
     from ray import tune
 
     from raydp_train.reports.trackers import tune_callbacks
@@ -119,11 +141,17 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
     config = pipeline.tune
     trainable = ending_its_run(tune.with_parameters(
         run_trial, base=pipeline.model_dump(mode="json"), budget=trial_budget,
-        sweep_id=directory.name, directory=str(directory)))
+        sweep_id=directory.name, directory=str(directory), resumed=resumed))
     # A trial that drives a Ray Train run needs little: its workers get their own placement group.
     cpus = 1 if pipeline.training.workers == 1 else 0.25
+    trainable = tune.with_resources(trainable, {"cpu": cpus})
+    # Under random stopping no trial's progress is shown: it would release every trial.
+    callbacks = [] if trial_budget is None else [
+        progress_printer(on_line, pipeline, trial_budget), *tune_callbacks(pipeline)]  # loggers
+    if resumed:
+        return restored_tuner(directory, trainable, param_space(config), callbacks)
     return tune.Tuner(
-        tune.with_resources(trainable, {"cpu": cpus}),
+        trainable,
         param_space=param_space(config),
         tune_config=tune.TuneConfig(
             num_samples=num_samples, search_alg=search_algorithm(pipeline),
@@ -133,11 +161,8 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
             # trial of several workers: one Tune stopped is still ending its Ray Train run
             # when Tune would reuse its process, and Tune then fails the next trial.
             reuse_actors=pipeline.training.workers == 1),
-        # Under random stopping no trial's progress is shown: it would release every trial.
-        run_config=tune.RunConfig(storage_path=str(directory.resolve()), name="trials", verbose=0,
-                                  callbacks=[] if trial_budget is None else [
-                                      progress_printer(on_line, pipeline, trial_budget),
-                                      *tune_callbacks(pipeline)]),  # run.loggers
+        run_config=tune.RunConfig(storage_path=str(directory.resolve()), name=TRIALS, verbose=0,
+                                  callbacks=callbacks),
     )
 
 

@@ -84,7 +84,8 @@ def scheduler(pipeline: Pipeline):
     return PopulationBasedTraining(
         time_attr="epoch", metric=config.metric, mode=config.mode,
         perturbation_interval=config.pbt.perturbation_interval,
-        quantile_fraction=config.pbt.quantile_fraction, hyperparam_mutations=mutations)
+        quantile_fraction=config.pbt.quantile_fraction, hyperparam_mutations=mutations,
+        synch=config.pbt.synch)
 
 
 def _listed(entry):

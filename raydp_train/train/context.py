@@ -24,9 +24,10 @@ from raydp_train.train.stops import StopReason
 
 
 class LocalContext:
-    """World size 1 in this process: no collectives, charges kept in memory (and spent from
-    the global budget when `account` has one). No checkpoints of its own: a sweep's trial
-    may start from `restored` and hand each epoch's state to `on_checkpoint` (PBT)."""
+    """World size 1 in this process: no collectives, charges kept by `account` (in memory
+    unless it has a record of its own; spent from the global budget when it has one). No
+    checkpoints of its own: a sweep's trial starts from `restored` and hands each epoch's
+    state to `on_checkpoint` (its run folder, and Tune under PBT)."""
 
     rank, world_size = 0, 1
     node = "this process"

@@ -28,6 +28,7 @@ from typing import Self
 import torch
 from torch import Tensor, nn
 
+from raydp_train.privacy.adaptive_clipping import count_noise_problem
 from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sampling import poisson_sample, sampling_rate
 from raydp_train.train import own_loop_rows as rows_
@@ -68,7 +69,8 @@ class PrivateStep:
                  accountant: str = "rdp", loss: Callable[..., Tensor] = rows_.inputs_then_labels,
                  max_physical_batch: int = 256, seed: int | None = None,
                  self_check: dict | None = None, other_layers: str = "per_example",
-                 record_dir: str | None = None):
+                 record_dir: str | None = None, clipping: str = "fixed",
+                 adaptive: dict | None = None):
         """`num_examples`: N of the WHOLE training set (every worker's shard); sigma is
         `noise_multiplier`, or calibrated so that `steps` steps spend `target_epsilon` (the
         loop may not pass it); `mechanism`: a private mechanism's name (dpsgd, lsg, lora), with `lsg`/`lora` the
@@ -80,7 +82,8 @@ class PrivateStep:
         tensor); `seed`: reproducible noise and sampling, for tests only; `self_check`:
         privacy.self_check's fields; `other_layers`: privacy.other_layers; `record_dir`: where
         rank 0 marks each release before it happens (default: the Ray Train run's storage,
-        when local; outside Ray Train, nothing: a single process has no restart)."""
+        when local; outside Ray Train, nothing: a single process has no restart); `clipping`,
+        `adaptive`: privacy.clipping and privacy.adaptive's fields (adaptive clipping)."""
         check_numbers(clip_norm, noise_multiplier, target_epsilon, steps, expected_batch_size,
                       num_examples, delta, max_physical_batch)
         check_objects(model, optimizer, loss, steps_per_charge)
@@ -88,12 +91,16 @@ class PrivateStep:
         privacy, chosen = privacy_settings(
             mechanism, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
             target_epsilon=target_epsilon, delta=delta, accountant=accountant, lsg=lsg,
-            lora=lora, self_check=self_check, other_layers=other_layers)
+            lora=lora, self_check=self_check, other_layers=other_layers, clipping=clipping,
+            adaptive=adaptive)
         self.world = LoopWorld()
         self.rank = self.world.rank
         rate = sampling_rate(expected_batch_size, num_examples)
         sigma = noise_multiplier or self._calibrated(target_epsilon, delta, rate, steps,
                                                      accountant)
+        if privacy.clipping == "adaptive" and (problem := count_noise_problem(
+                sigma, privacy.adaptive.count_noise, expected_batch_size)):
+            raise PrivateStepError(f"adaptive: {problem}")  # before anything is reserved
         self.plan = PrivacyPlan(num_examples, expected_batch_size, rate, steps or 0, sigma,
                                 noise_multiplier is None, clip_norm, delta, accountant,
                                 mechanism=chosen)

@@ -84,7 +84,8 @@ def check_noise(noise: str, seed: int | None) -> None:
 def privacy_settings(mechanism: str, *, clip_norm: float, noise_multiplier: float | None,
                      target_epsilon: float | None, delta: float, accountant: str,
                      lsg: dict | None, lora: dict | None, self_check: dict | None,
-                     other_layers: str) -> tuple[PrivacyConfig, type[Mechanism]]:
+                     other_layers: str, clipping: str = "fixed",
+                     adaptive: dict | None = None) -> tuple[PrivacyConfig, type[Mechanism]]:
     """The settings as a pipeline's `privacy` section holds them, checked by its schema, and
     the registered mechanism class they name."""
     chosen = MECHANISMS.get(mechanism)
@@ -100,7 +101,8 @@ def privacy_settings(mechanism: str, *, clip_norm: float, noise_multiplier: floa
     fields = dict(mechanism=mechanism,  # noqa: C408 (as above) clip_norm=clip_norm, delta=delta,
                   noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
                   accountant=accountant, other_layers=other_layers,
-                  self_check=self_check or {}, lsg=lsg, lora=lora)
+                  self_check=self_check or {}, lsg=lsg, lora=lora, clipping=clipping,
+                  adaptive=adaptive)
     try:
         return PrivacyConfig(**{k: v for k, v in fields.items() if v is not None}), chosen
     except ValidationError as error:
@@ -116,3 +118,4 @@ def calibrated_sigma(target_epsilon: float, delta: float, sampling_rate: float, 
                                           accountant)
     except ValueError as error:
         raise PrivateStepError(f"target_epsilon: {error}") from None
+

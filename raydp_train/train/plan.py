@@ -13,6 +13,7 @@ from raydp_train.accounting.epsilon import (
 )
 from raydp_train.budget.terms import Spend
 from raydp_train.errors import UserError
+from raydp_train.privacy.adaptive_clipping import count_noise_problem
 from raydp_train.privacy.mechanism import DpSgd, Mechanism, mechanism_named
 from raydp_train.privacy.sampling import sampling_rate, total_steps
 from raydp_train.train.tasks import Task, task_of
@@ -123,6 +124,10 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
             )
         except ValueError as error:  # a target no noise multiplier in range can meet
             raise PlanError(f"privacy.target_epsilon: {error}") from None
+    if private and privacy.clipping == "adaptive":  # the count's noise, split from sigma's
+        problem = count_noise_problem(sigma, privacy.adaptive.count_noise, training.batch_size)
+        if problem:
+            raise PlanError(f"privacy.adaptive.{problem}")
     return PrivacyPlan(
         num_examples=num_examples,
         expected_batch_size=training.batch_size,
@@ -140,3 +145,4 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         unit=unit,
         rows_per_user=getattr(privacy, "rows_per_user", None),
     )
+

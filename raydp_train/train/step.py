@@ -64,8 +64,47 @@ def private_step(
     reduced.
     """
     compute_losses = in_precision(per_example_loss, precision, clipper.flat_grad.device.type)
-    # The step's noise draw (zeros on ranks > 0) is the starting value of the local sum.
+    quantile = getattr(clipper, "quantile", None)  # adaptive clipping, or None
+    all_reduce_sum = _start_from_noise(clipper, quantile, noise_std, expected_batch_size,
+                                       noise_generator, all_reduce_sum)
+    loss_sum, count = _add_micro_batches(model, clipper, micro_batches, compute_losses,
+                                         engine_checks, quantile)
+    # One sum tells: a NaN or inf anywhere makes it non-finite (clipped sums cannot overflow).
+    if not math.isfinite(loss_sum + clipper.flat_grad.sum().item()):
+        raise NonFiniteStepError(
+            "training: a loss or the clipped gradient sum is NaN or inf, so the run stopped "
+            "before this step's noisy gradient was released; lower training.lr, or scale the "
+            "features (data.normalize)")
+    mechanism.reduce(clipper, all_reduce_sum)  # adaptive clipping: the count with the sums
+    # The expected batch size q*N, never |S|: |S| depends on the data.
+    clipper.flat_grad.div_(expected_batch_size)
+    mechanism.write_back(clipper)
+    optimizer.step()
+    if quantile is not None:  # C for the next step, from the released count alone
+        clipper.clip_norm = quantile.next_clip_norm(clipper.clip_norm, expected_batch_size)
+    return StepStats(loss_sum, count)
+
+
+def _start_from_noise(clipper, quantile, noise_std: float, expected_batch_size: float,
+                      noise_generator, all_reduce_sum: Callable[[Tensor], None]):
+    """The step's noise draw (zeros on ranks > 0) as the starting value of the local sum.
+    Adaptive clipping (privacy/adaptive_clipping.py) splits it between the gradient and the
+    count of examples under C, drawn next from the same generator, whose sum then joins the
+    step's one all-reduce. Returns the all-reduce the step uses."""
+    if quantile is not None:
+        noise_std = quantile.start_step(noise_std, expected_batch_size, clipper.flat_grad,
+                                        clipper.clip_norm)
+        all_reduce_sum = quantile.reduce_with(all_reduce_sum)
     fill_gaussian_noise_(clipper.bind_grads(), noise_std, noise_generator)
+    if quantile is not None:
+        fill_gaussian_noise_(quantile.count, quantile.count_std, noise_generator)
+    return all_reduce_sum
+
+
+def _add_micro_batches(model, clipper, micro_batches, compute_losses, engine_checks,
+                       quantile) -> tuple[float, int]:
+    """Add each micro-batch's clipped sum (and count under C) to the buffer; the engine
+    checked on the first when due. (Sum of the losses, examples)."""
     check_due = engine_checks is not None and engine_checks.due(clipper)
     loss_sum, count = 0.0, 0
     by_user = getattr(clipper, "unit", "example") == "user"
@@ -80,20 +119,11 @@ def private_step(
             stats = clipper.accumulate(compute_losses, model, *batch, **users)
         loss_sum += stats.losses.sum().item()
         count += stats.losses.shape[0]
+        if quantile is not None:
+            quantile.add_count(stats.norms, clipper.clip_norm)
     if check_due:  # this rank sampled nothing, but joins the other ranks' verdict
         engine_checks.run(clipper, compute_losses, None)
-    # One sum tells: a NaN or inf anywhere makes it non-finite (clipped sums cannot overflow).
-    if not math.isfinite(loss_sum + clipper.flat_grad.sum().item()):
-        raise NonFiniteStepError(
-            "training: a loss or the clipped gradient sum is NaN or inf, so the run stopped "
-            "before this step's noisy gradient was released; lower training.lr, or scale the "
-            "features (data.normalize)")
-    mechanism.reduce(clipper, all_reduce_sum)
-    # The expected batch size q*N, never |S|: |S| depends on the data.
-    clipper.flat_grad.div_(expected_batch_size)
-    mechanism.write_back(clipper)
-    optimizer.step()
-    return StepStats(loss_sum, count)
+    return loss_sum, count
 
 
 def in_precision(per_example_loss: LossFn, precision: Precision, device_type: str) -> LossFn:

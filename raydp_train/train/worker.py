@@ -147,6 +147,8 @@ class WorkerRun:
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.step, self.first_epoch = state["step"], state["epoch"] + 1
+        if state.get("clip_norm"):  # as adaptive clipping left it (the same C otherwise)
+            self.clipper.clip_norm = state["clip_norm"]
         self.result.metrics = state["metrics"]
         # The nodes of the attempts before this one (a failover moves ranks to other nodes).
         self.result.nodes_ever = sorted({*self.result.nodes_ever, *state.get("nodes_ever", ())})
@@ -166,9 +168,14 @@ class WorkerRun:
         row = self._epoch_row(epoch, charged, loss_sum, seen)
         self.context.settle(epoch_charge)
         self.result.metrics.append(row)
-        self.context.report(row, _checkpoint_state(self.model, self.optimizer, self.schedule,
-                                                   epoch, self.step, self.result))
+        self.context.report(row, self._checkpoint_state(epoch))
         return True
+
+    def _checkpoint_state(self, epoch: int) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "schedule": self.schedule.state_dict(), "epoch": epoch, "step": self.step,
+                "metrics": list(self.result.metrics), "nodes_ever": self.result.nodes_ever,
+                "clip_norm": getattr(self.clipper, "clip_norm", None)}  # adaptive: it moves
 
     def _steps(self, epoch: int, end: int, after_step) -> tuple[float, int]:
         """The DP steps up to `end`; (loss sum, examples) of this rank's samples."""
@@ -289,10 +296,3 @@ def _local_rows(pipeline, context, dataset, data_shape, streaming: bool):
         dataset = load_data(pipeline.data, pipeline.model.num_classes,
                             tokenizer_source(pipeline.model))
     return dataset.rows(context.rank, context.world_size).to_torch()
-
-
-def _checkpoint_state(model, optimizer, schedule, epoch: int, step: int,
-                      result: TrainResult) -> dict:
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "schedule": schedule.state_dict(), "epoch": epoch, "step": step,
-            "metrics": list(result.metrics), "nodes_ever": result.nodes_ever}
