@@ -39,6 +39,7 @@ from raydp_train.config.privacy import LoraConfig, LsgConfig, PrivacyConfig, mec
 from raydp_train.config.sweep import BudgetConfig, TuneConfig
 from raydp_train.config.training import ParamGroup, TrainingConfig
 from raydp_train.config.yaml_text import YamlLimitError, load_bounded
+from raydp_train.privacy.mechanism import mechanism_named
 
 __all__ = [
     "BudgetConfig",
@@ -123,6 +124,8 @@ class Pipeline(Section):
         if self.tune is not None:
             _check_tune(self)
         _check_task(self)
+        if self.training.sharding == "fsdp":
+            _check_sharding(self)
         return self
 
 
@@ -151,6 +154,25 @@ def _check_task(p: Pipeline) -> None:
     if p.tune is not None:
         raise FieldProblem("model.task causal_lm: sweeps select on validation accuracy, which a "
                            "language model has not; run it without tune", "tune")
+
+
+def _check_sharding(p: Pipeline) -> None:
+    """What FSDP sharding cannot serve, refused by name before anything runs."""
+    why_not = mechanism_named(p.privacy.mechanism).sharding_refused
+    if why_not:
+        raise FieldProblem(f"not with privacy.mechanism {p.privacy.mechanism}: {why_not}; use "
+                           "dpsgd or lora, or training.sharding: none", "training.sharding")
+    if p.training.workers < 2:
+        raise FieldProblem("fsdp shards the model over the workers: set training.workers >= 2, "
+                           "or training.sharding: none", "training.sharding")
+    if getattr(p.model, "frozen_dtype", "fp32") != "fp32":
+        raise FieldProblem("not with training.sharding: fsdp yet (FSDP gathers one dtype per "
+                           "block, and the trained parameters are fp32): use fp32",
+                           "model.frozen_dtype")
+    if p.training.cache_frozen_prefix:
+        raise FieldProblem("not with training.sharding: fsdp (the prefix cache runs the frozen "
+                           "layers outside FSDP's gathering): set it false",
+                           "training.cache_frozen_prefix")
 
 
 def _check_tune(p: Pipeline) -> None:

@@ -133,3 +133,4 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         release_noise_multiplier=release_sigma,
         task=task_of(pipeline),
     )
+

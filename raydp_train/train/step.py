@@ -29,6 +29,12 @@ class NonFiniteStepError(UserError, RuntimeError):
     """A step whose loss or clipped sum is not finite; raised before anything is released."""
 
 
+class PaddingPass(tuple):
+    """A micro-batch whose examples weigh nothing (their losses times 0: gradients exactly 0,
+    so they add exactly 0 to the clipped sum): under sharding every rank runs as many passes as
+    the rank with the most, since each pass gathers the weights (a collective)."""
+
+
 @dataclass
 class StepStats:
     loss_sum: float  # sum of the sampled examples' losses (a diagnostic, not DP-released)
@@ -69,13 +75,16 @@ def private_step(
     check_due = engine_checks is not None and engine_checks.due(clipper)
     loss_sum, count = 0.0, 0
     for batch in micro_batches:
+        losses_of = _weighing_nothing(compute_losses) if isinstance(batch, PaddingPass) else (
+            compute_losses)
         if check_due:  # the check's full pass is this micro-batch's clipped sum
-            stats = engine_checks.run(clipper, compute_losses, (model, *batch))
+            stats = engine_checks.run(clipper, losses_of, (model, *batch))
             check_due = False
         else:
-            stats = clipper.accumulate(compute_losses, model, *batch)
-        loss_sum += stats.losses.sum().item()
-        count += stats.losses.shape[0]
+            stats = clipper.accumulate(losses_of, model, *batch)
+        if losses_of is compute_losses:
+            loss_sum += stats.losses.sum().item()
+            count += stats.losses.shape[0]
     if check_due:  # this rank sampled nothing, but joins the other ranks' verdict
         engine_checks.run(clipper, compute_losses, None)
     # One sum tells: a NaN or inf anywhere makes it non-finite (clipped sums cannot overflow).
@@ -90,6 +99,10 @@ def private_step(
     mechanism.write_back(clipper)
     optimizer.step()
     return StepStats(loss_sum, count)
+
+
+def _weighing_nothing(compute_losses: LossFn) -> LossFn:
+    return lambda model, *batch: compute_losses(model, *batch) * 0.0
 
 
 def in_precision(per_example_loss: LossFn, precision: Precision, device_type: str) -> LossFn:
