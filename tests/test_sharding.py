@@ -99,17 +99,18 @@ def gathered(sums: ShardedSums, flat: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def sharded_clipper(model, noise_std: float, generator, rank: int):
+def sharded_clipper(model, noise_std: float, generator, rank: int, in_place: bool = True):
     shard_model(model)
     clipper = PerExampleClipper(model, CLIP_NORM)
     clipper.zero_grad()
     return clipper, ShardedSums(clipper.bound, clipper.flat_grad, noise_std, generator, rank,
-                                WORLD)
+                                WORLD, in_place)
 
 
 def check_clipped_sums(rank: int) -> None:
     tokens, labels = batch()
-    for train_norms, naive_rtol in ((False, 1e-9), (True, 1e-6)):
+    # An in-place all-reduce (Gloo's default), and a reduce-scatter (NCCL's).
+    for train_norms, naive_rtol, in_place in ((False, 1e-9, True), (True, 1e-6, False)):
         # Llama's RMSNorm computes in float32 inside a float64 model: its weights' per-example
         # gradients agree with autograd's to float32 rounding (test_rms_norm_families.py).
         model = tiny_llama(train_norms)
@@ -120,7 +121,7 @@ def check_clipped_sums(rank: int) -> None:
         expected, _, _ = naive_clipped_sum(oracle, causal_lm_losses, tokens, labels, CLIP_NORM)
         got = engine_sum_in_parameter_order(reference, unsharded)
         assert (got - expected).abs().max() / expected.abs().max() < naive_rtol
-        clipper, sums = sharded_clipper(model, 0.0, torch.Generator(), rank)
+        clipper, sums = sharded_clipper(model, 0.0, torch.Generator(), rank, in_place)
         clipper.accumulate(causal_lm_losses, model, mine(rank, tokens), mine(rank, labels))
         sums.reduce(clipper.flat_grad)
         full = gathered(sums, clipper.flat_grad)
@@ -128,10 +129,10 @@ def check_clipped_sums(rank: int) -> None:
         assert (full - unsharded.flat_grad).abs().max() / scale < 1e-9
 
 
-def check_one_draw_per_coordinate(rank: int) -> None:
+def check_one_draw_per_coordinate(rank: int, in_place: bool) -> None:
     std = 2.0
     generator = torch.Generator().manual_seed(shard_seed(SEED, rank))
-    clipper, sums = sharded_clipper(tiny_llama(True), std, generator, rank)
+    clipper, sums = sharded_clipper(tiny_llama(True), std, generator, rank, in_place)
     covered = torch.zeros_like(clipper.flat_grad)
     for _, ranges in sums.pieces:
         for a, b in ranges:
@@ -181,9 +182,11 @@ def check_step(rank: int) -> None:
 
 
 def check_all(rank: int) -> None:
-    for check in (check_clipped_sums, check_one_draw_per_coordinate, check_self_check,
-                  check_step):
-        check(rank)
+    check_clipped_sums(rank)
+    for in_place in (True, False):
+        check_one_draw_per_coordinate(rank, in_place)
+    check_self_check(rank)
+    check_step(rank)
 
 
 @pytest.mark.thorough

@@ -100,8 +100,14 @@ class ShardedSums:
     `reduce_scatter_tensor` sums (one collective a step, as the unsharded all-reduce)."""
 
     def __init__(self, bound: list[tuple[Tensor, Tensor]], flat: Tensor, noise_std: float,
-                 noise_generator: NoiseGenerator, rank: int, world_size: int):
-        """`bound`: (sharded parameter, its slot in `flat`, the engine's flat buffer)."""
+                 noise_generator: NoiseGenerator, rank: int, world_size: int,
+                 in_place: bool | None = None):
+        """`bound`: (sharded parameter, its slot in `flat`, the engine's flat buffer).
+        `in_place` (default: on Gloo): sum by an in-place all-reduce of `flat`, then keep this
+        rank's coordinates. Gloo's reduce-scatter allocates 1.5x its input (measured: 244 MB
+        for 160 MB) and needs the packed copy, its all-reduce nothing; NCCL reduce-scatters
+        natively, moving half the data."""
+        self.in_place = dist.get_backend() == "gloo" if in_place is None else in_place
         if not bound or not all(is_sharded(p) for p, _ in bound):
             raise ValueError("sharded sums need every trained parameter sharded by FSDP")
         self.noise_std, self.noise_generator = noise_std, noise_generator
@@ -114,12 +120,17 @@ class ShardedSums:
     def reduce(self, flat: Tensor) -> None:
         """flat <- at this rank's coordinates: the sum over ranks of the clipped sums plus
         this rank's one noise draw; elsewhere 0."""
-        send = flat.new_zeros(self.world_size, self.packed_length)
-        for w in range(self.world_size):
-            torch.cat([flat[a:b] for a, b in self._ranges(w)],
-                      out=send[w, :self._length(w)])
         own = flat.new_empty(self.packed_length)
-        dist.reduce_scatter_tensor(own, send.view(-1))
+        if self.in_place:
+            dist.all_reduce(flat)
+            torch.cat([flat[a:b] for a, b in self._ranges(self.rank)], out=own[:self.own_length])
+        else:
+            send = flat.new_zeros(self.world_size, self.packed_length)
+            for w in range(self.world_size):
+                torch.cat([flat[a:b] for a, b in self._ranges(w)],
+                          out=send[w, :self._length(w)])
+            dist.reduce_scatter_tensor(own, send.view(-1))
+            del send
         noise = flat.new_empty(self.own_length)
         fill_gaussian_noise_(noise, self.noise_std, self.noise_generator)
         own[:self.own_length] += noise
