@@ -61,6 +61,7 @@ def check_dpsgd_sharded_is_the_unsharded_step(rank: int) -> None:
     sharded, whole = results["fsdp"], results["none"]
     assert not any(is_sharded(p) for p in sharded.model.parameters())
     assert len(set(sharded.checksums)) == 1 and sharded.steps_done == whole.steps_done
+    assert sharded.trained_per_step == whole.trained_per_step  # every shard, not one
     for p, q in zip(sharded.model.parameters(), whole.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=3e-4)
     noisy = digits("fsdp")

@@ -149,10 +149,6 @@ class ShardedSums:
                                             run_check=False, shape=param.shape,
                                             stride=param.stride())
 
-    def own(self, flat: Tensor) -> Tensor:
-        """This rank's coordinates of `flat`, packed."""
-        return torch.cat([flat[a:b] for a, b in self._ranges(self.rank)])
-
     def _ranges(self, w: int) -> list[tuple[int, int]]:
         return [ranges[w] for _, ranges in self.pieces]
 
@@ -219,4 +215,7 @@ class ShardedMechanism:
         self.sums.bind(engine.flat_grad)
 
     def trained(self, engine) -> Tensor:
-        return self.sums.own(engine.flat_grad)
+        """The whole step's numbers, every rank's shard (a collective: every rank asks)."""
+        whole = engine.flat_grad.clone()  # this rank's coordinates, zero elsewhere
+        dist.all_reduce(whole)
+        return whole
