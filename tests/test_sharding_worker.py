@@ -9,6 +9,7 @@ from test_sharding import spawn
 
 from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.privacy.sharding import is_sharded
+from raydp_train.train import sharded as sharded_module
 from raydp_train.train.context import LocalContext
 from raydp_train.train.plan import make_plan
 from raydp_train.train.sharded import gathered
@@ -41,27 +42,42 @@ class GlooContext(LocalContext):
         self.states.append(state)
 
 
-def digits(sharding: str, mechanism: str = "dpsgd", noise_multiplier: float = 1.0):
-    privacy = {"mechanism": mechanism, "noise_multiplier": noise_multiplier, "clip_norm": 1.0}
+def digits(sharding: str, mechanism: str = "dpsgd", noise_multiplier: float = 1.0,
+           max_physical_batch: int = 256):
+    """`max_physical_batch` 16: ~8 micro-batches a rank, rarely as many on both ranks (the
+    sharded loop pads the fewer with zero-weight passes); the self-check on 1 step in 5."""
+    privacy = {"mechanism": mechanism, "noise_multiplier": noise_multiplier, "clip_norm": 1.0,
+               "self_check": {"step_fraction": 0.2}}
     if mechanism == "lora":
         privacy["lora"] = {"rank": 4, "alpha": 8, "layers": ["1"]}
     return pipeline_from_dict({
         "name": "digits", "data": {"source": "sklearn_digits"},
         "model": {"kind": "mlp", "hidden_sizes": [64]}, "privacy": privacy,
         "training": {"epochs": 2, "batch_size": 128, "lr": 0.5, "workers": 2,
-                     "sharding": sharding, "threads_per_worker": 1},
+                     "sharding": sharding, "threads_per_worker": 1,
+                     "max_physical_batch": max_physical_batch},
         "run": {"seed": 0}})
 
 
 def check_dpsgd_sharded_is_the_unsharded_step(rank: int) -> None:
+    padded, equal_passes = [], sharded_module.equal_passes
+
+    def counted(batches, spare, context):
+        passes = equal_passes(batches, spare, context)
+        padded.append(len(passes) - len(batches))
+        return passes
+
+    sharded_module.equal_passes = counted
     results = {}
     for sharding in ("none", "fsdp"):  # noise ~0: the same steps, sharded or not
-        pipeline = digits(sharding, noise_multiplier=1e-3)
+        pipeline = digits(sharding, noise_multiplier=1e-3, max_physical_batch=16)
         results[sharding] = train(pipeline, make_plan(pipeline, 1438), GlooContext())
     sharded, whole = results["fsdp"], results["none"]
     assert not any(is_sharded(p) for p in sharded.model.parameters())
     assert len(set(sharded.checksums)) == 1 and sharded.steps_done == whole.steps_done
     assert sharded.trained_per_step == whole.trained_per_step  # every shard, not one
+    assert all(count >= 1 for count, _ in sharded.self_checks)  # the check ran sharded
+    assert sum(GlooContext().gather(sum(padded))) > 0  # zero-weight passes ran, and added 0
     for p, q in zip(sharded.model.parameters(), whole.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=3e-4)
     noisy = digits("fsdp")
