@@ -20,19 +20,26 @@ gathered weights no gradient to reduce.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from raydp_train.privacy.noise import NoiseGenerator, fill_gaussian_noise_
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 
 def is_sharded(tensor: Tensor) -> bool:
-    return isinstance(tensor, DTensor)
+    """A DTensor (FSDP's sharded parameter). DTensor's module imports sympy (a second of CPU
+    in every worker): until something imported it, nothing is one."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
@@ -79,6 +86,8 @@ def shardable_rule(rule) -> bool:
 
 def shard_of(whole: Tensor, like: DTensor) -> DTensor:
     """This rank's rows of `whole`, sharded as `like` (FSDP2's dim-0 chunks)."""
+    from torch.distributed.tensor import DTensor
+
     rows = _rows(like.shape[0], dist.get_world_size())[dist.get_rank()]
     return DTensor.from_local(whole[slice(*rows)].contiguous(), like.device_mesh, like.placements,
                               run_check=False, shape=like.shape, stride=like.stride())
@@ -142,6 +151,8 @@ class ShardedSums:
 
     def bind(self, flat: Tensor) -> None:
         """Each sharded parameter's `.grad`: its rows of `flat`, as its shard."""
+        from torch.distributed.tensor import DTensor
+
         for param, ranges in self.pieces:
             a, b = ranges[self.rank]
             shard = flat[a:b].view(param.to_local().shape)

@@ -99,7 +99,7 @@ def load_weights(model: nn.Module, optimizer, state: dict) -> None:
     """The checkpoint's model and optimizer state; onto a sharded model, each rank's rows."""
     current = model.state_dict()
     with torch.no_grad():
-        model.load_state_dict({key: shard_like(value, current[key])
+        model.load_state_dict({key: shard_like(value, current.get(key))
                                for key, value in state["model"].items()})
     optimizer.load_state_dict(state["optimizer"])
     for param, values in optimizer.state.items():
@@ -107,9 +107,10 @@ def load_weights(model: nn.Module, optimizer, state: dict) -> None:
             values[key] = shard_like(value, param) if key != "step" else value
 
 
-def shard_like(value: Tensor, like: Tensor) -> Tensor:
-    """`value` (whole) as `like` holds it: its shard when `like` is sharded."""
-    if not is_sharded(like) or is_sharded(value) or value.shape != like.shape:
+def shard_like(value: Tensor, like: Tensor | None) -> Tensor:
+    """`value` (whole) as `like` holds it: its shard when `like` is sharded (a key the model
+    lacks, or a wrong shape, is left for `load_state_dict` to name)."""
+    if like is None or not is_sharded(like) or is_sharded(value) or value.shape != like.shape:
         return value
     return shard_of(value, like)
 
