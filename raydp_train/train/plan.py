@@ -133,4 +133,3 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         release_noise_multiplier=release_sigma,
         task=task_of(pipeline),
     )
-
