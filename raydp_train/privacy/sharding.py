@@ -1,4 +1,4 @@
-"""Sharded training (``training.sharding: fsdp``, ARCHITECTURE.md §2.13): torch FSDP2 keeps
+"""Sharded training (``training.sharding: fsdp``, ARCHITECTURE.md §2.15): torch FSDP2 keeps
 1/W of every weight on each of W ranks; the clipped sums and the noise are sharded alike.
 
 FSDP gathers a block's weights before its forward and again before its backward, so the

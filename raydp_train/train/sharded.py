@@ -1,5 +1,5 @@
 """A worker's model sharded over the workers (`training.sharding: fsdp`, ARCHITECTURE.md
-§2.13): the engine rebuilt on the sharded model, the step's sums reduce-scattered with each
+§2.15): the engine rebuilt on the sharded model, the step's sums reduce-scattered with each
 rank's own shard noise (or, for a mechanism whose trained parameters stay whole, the usual
 all-reduce and rank-0 draw); checkpoints and the returned model gathered whole.
 
