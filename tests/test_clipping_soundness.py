@@ -304,4 +304,4 @@ def test_a_stray_use_in_a_later_micro_batch_is_refused_and_adds_nothing():
     with pytest.raises(ParameterUseError, match=r"'first.weight' is used by module '<root>'"):
         clipper.accumulate(lambda: cross_entropy(model(x), y))
     torch.testing.assert_close(clipper.flat_grad, before, rtol=0, atol=0)
-    assert all(p.grad is view for p, view in clipper._bound)
+    assert all(p.grad is view for p, view in clipper.bound)

@@ -42,6 +42,8 @@ RUN_ELSEWHERE = {
     "data.test_split": "source hf_dataset: tests/test_hf_datasets.py",
     "data.validation_split": "source hf_dataset: tests/test_hf_datasets.py",
     "training.cpus_per_worker": "a ScalingConfig's resources_per_worker: tests/test_ray_configs.py",
+    "training.sharding": "fsdp: tests/test_sharding_worker.py (the worker loop on 2 Gloo ranks, "
+                         "sharded equal to whole; a Ray Train run: benchmarks/RESULTS.md)",
     "model.task": "causal_lm: tests/test_causal_lm_run.py (a run on 2 workers, generate)",
     "model.lm_loss": "causal_lm only: tests/test_causal_lm_run.py",
     "model.factory": "model.kind torch: tests/test_custom_model.py (a run on 2 workers)",

@@ -125,7 +125,7 @@ def test_the_check_leaves_the_buffer_the_gradients_and_the_mode_as_they_were():
     assert compare_with_per_example(clipper, losses, (model, torch.randn(6, 5),
                                                       torch.arange(6))).passed
     assert torch.equal(clipper.flat_grad, before) and model.training
-    assert all(p.grad is view for p, view in clipper._bound)
+    assert all(p.grad is view for p, view in clipper.bound)
 
 
 @pytest.mark.parametrize("mechanism", ["lsg", "lora"])

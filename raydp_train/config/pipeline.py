@@ -18,13 +18,13 @@ from pydantic import Field, ValidationError, model_validator
 
 from raydp_train.config.base import SafeName, Section, Seed, WrittenPath
 from raydp_train.config.budget import BudgetConfig
+from raydp_train.config.cross_section import check_across_sections
 from raydp_train.config.data import (
     DataConfig,
     DigitsData,
     ParquetData,
     SyntheticData,
     ValidationSplit,
-    streaming_refusal,
 )
 from raydp_train.config.errors import FieldProblem, PipelineError, describe, show, yaml_problem
 from raydp_train.config.model import (
@@ -33,11 +33,10 @@ from raydp_train.config.model import (
     LogisticModel,
     MlpModel,
     ModelConfig,
-    is_causal_lm,
 )
 from raydp_train.config.overrides import apply_overrides
 from raydp_train.config.paths import resolve_relative_paths
-from raydp_train.config.privacy import LoraConfig, LsgConfig, PrivacyConfig, mechanism_settings
+from raydp_train.config.privacy import LoraConfig, LsgConfig, PrivacyConfig
 from raydp_train.config.training import ParamGroup, TrainingConfig
 from raydp_train.config.tune import TuneConfig
 from raydp_train.config.yaml_text import YamlLimitError, load_bounded
@@ -118,120 +117,9 @@ class Pipeline(Section):
         return pipeline_from_dict(raw, overrides)
 
     @model_validator(mode="after")
-    def _tune_fits(self) -> Pipeline:
-        if not self.privacy.private and self.budget is not None:
-            raise FieldProblem(f"a non-private run (privacy.mechanism: {self.privacy.mechanism}) "
-                               "cannot spend from a privacy budget", "budget")
-        if self.tune is not None:
-            _check_tune(self)
-        _check_task(self)
-        _check_sampler(self)
-        _check_unit(self)
+    def _sections_agree(self) -> Pipeline:
+        check_across_sections(self)
         return self
-
-
-def _check_sampler(p: Pipeline) -> None:
-    """`data.sampler: streaming` only where it can serve the pipeline (ARCHITECTURE.md §2.13)."""
-    if getattr(p.data, "sampler", "memory") != "streaming":
-        return
-    refusal = streaming_refusal(p.data, p.training.cache_frozen_prefix,
-                                p.tune is not None and p.training.workers == 1)
-    if refusal is not None:
-        raise FieldProblem(*refusal)
-
-
-def _check_unit(p: Pipeline) -> None:
-    """privacy.unit user: who wrote each row is known, and nothing releases more per user
-    than one clipped contribution a step (ARCHITECTURE.md §2.14)."""
-    users = getattr(p.data, "user_column", None)
-    if p.privacy.unit == "example":
-        if users is not None or p.privacy.rows_per_user is not None:
-            field = "data.user_column" if users is not None else "privacy.rows_per_user"
-            raise FieldProblem("only with privacy.unit: user (set it, or remove this)", field)
-        return
-    problems = {
-        "data.user_column": (users is None or p.data.source in ("ray_dataset", "hf_dataset"),
-                             ("privacy.unit user needs the column naming who wrote each row "
-                             "(data.source parquet, csv or json)")),
-        "privacy.mechanism": (not p.privacy.private, "privacy.unit user is for a private run"),
-        "privacy.rows_per_user": (not p.privacy.rows_per_user or p.privacy.rows_per_user
-                                  > p.training.max_physical_batch,
-                                  ("privacy.unit user needs the cap on rows a user brings to a "
-                                  "step, at most training.max_physical_batch (a user's rows "
-                                  "are clipped in one micro-batch)")),
-        "data.test_path": (users is not None and getattr(p.data, "test_path", None) is None,
-                           ("privacy.unit user: give the test rows a file of their own (a "
-                           "train_fraction cut would split users' rows)")),
-        "data.validation": (p.data.validation is not None and (
-            p.data.validation.fraction is not None or p.data.validation.private),
-            ("not with privacy.unit user yet: a released validation count is per example; "
-            "use a public validation file (path, private: false)")),
-    }
-    for field, (bad, message) in problems.items():
-        if bad:
-            raise FieldProblem(message, field)
-
-
-def _check_task(p: Pipeline) -> None:
-    """causal_lm trains on text alone: each text's targets are its own next tokens."""
-    causal = is_causal_lm(p.model)
-    if not causal:
-        if getattr(p.data, "label_column", "label") is None:
-            raise FieldProblem("the labels' column is needed (null only with model.task: "
-                               "causal_lm)", "data.label_column")
-        return
-    if getattr(p.data, "text_column", None) is None:
-        raise FieldProblem("model.task causal_lm trains on text: use data.source parquet with "
-                           "a text_column", "data")
-    if "label_column" in p.data.model_fields_set and p.data.label_column is not None:
-        raise FieldProblem("model.task causal_lm uses no labels (each text's targets are its "
-                           "own next tokens): remove data.label_column", "data.label_column")
-    p.data.label_column = None
-    for name in ("label_names", "validation"):
-        if getattr(p.data, name) is not None:
-            raise FieldProblem(f"not with model.task causal_lm (no classes, no validation "
-                               f"accuracy to release): remove data.{name}", f"data.{name}")
-    if p.training.cache_frozen_prefix:
-        raise FieldProblem("not with model.task causal_lm yet: the prefix cache serves "
-                           "classifiers", "training.cache_frozen_prefix")
-    if p.tune is not None:
-        raise FieldProblem("model.task causal_lm: sweeps select on validation accuracy, which a "
-                           "language model has not; run it without tune", "tune")
-
-
-def _check_tune(p: Pipeline) -> None:
-    """Cross-section rules of a sweep: one shared budget, and no selection on private data."""
-    if p.budget is None:
-        raise FieldProblem("a sweep spends from one global budget: add a budget section", "budget")
-    space = p.tune.search_space
-    if "privacy.noise_multiplier" in space and p.privacy.noise_multiplier is None:
-        raise FieldProblem("searching privacy.noise_multiplier needs privacy.noise_multiplier "
-                           "set, not target_epsilon", "tune.search_space")
-    for name in mechanism_settings():
-        if any(key.startswith(f"privacy.{name}.") for key in space) and (
-                p.privacy.mechanism != name):
-            raise FieldProblem(f"searching privacy.{name} fields needs privacy.mechanism: "
-                               f"{name}", "tune.search_space")
-    if p.tune.selection == "random_stopping" and p.budget.accountant != "rdp":
-        raise FieldProblem("random_stopping is accounted with RDP only (Papernot & Steinke): "
-                           "use budget.accountant: rdp", "tune.selection")
-    if p.tune.selection == "random_stopping" and p.run.loggers:
-        raise FieldProblem(
-            "random_stopping releases the best trial alone (Papernot & Steinke), and "
-            f"run.loggers {p.run.loggers} would log every trial: use selection: composition, "
-            "or no loggers", "run.loggers")
-    validation = p.data.validation
-    if validation is None:
-        raise FieldProblem("tune.metric validation_accuracy needs data.validation "
-                           "(fraction, private)", "tune.metric")
-    if validation.private and validation.noise_multiplier is None:
-        raise FieldProblem(
-            "the sweep would select on private validation rows: declare them public with "
-            "data.validation.private: false, or release the metric with noise by setting "
-            "data.validation.noise_multiplier", "tune.metric")
-
-
-# --- loading ----------------------------------------------------------------------------------
 
 
 def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> Pipeline:

@@ -68,6 +68,9 @@ class TrainingConfig(Section):
     threads_per_worker: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     # bf16: forward and backward under autocast; norms, clipping, noise and update in fp32
     precision: Literal["fp32", "bf16"] = "fp32"
+    # fsdp: torch FSDP2 shards the model over the workers (per transformer block), the clipped
+    # sums and the noise alike (ARCHITECTURE.md §2.15); none: every worker holds the whole model
+    sharding: Literal["none", "fsdp"] = "none"
 
     def warmup_for(self, total_steps: int) -> int:
         """warmup_steps as given, or ceil(warmup_fraction * steps) as Hugging Face's

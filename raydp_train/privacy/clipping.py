@@ -46,6 +46,7 @@ from raydp_train.privacy.per_example_path import PER_EXAMPLE_PATH
 from raydp_train.privacy.random_state import random_state, restore_random_state
 from raydp_train.privacy.rounding import full_precision_matmuls, gamma
 from raydp_train.privacy.rule_registry import LayerCalls, UnsupportedLayerError, cast_recorded
+from raydp_train.privacy.sharding import is_sharded, local_tensor
 from raydp_train.privacy.shared_calls import SharedOutputs, take_shared_path
 from raydp_train.privacy.tied_weights import TieTerm, find_ties, tie_terms
 from raydp_train.privacy.user_clipping import check_groupable, group_by_user
@@ -99,7 +100,7 @@ class PerExampleClipper(LayerRecorder):
         if not self.parameters:
             raise ValueError("the model has no trainable parameters")
         check_uniform(self.parameters)
-        first = self.parameters[0]
+        first = local_tensor(self.parameters[0])  # a sharded one's shard (sharding.py)
         self.flat_grad, self.slots = slot_views(self.layers, first)
         bound = {
             id(param): (param, view)
@@ -107,7 +108,7 @@ class PerExampleClipper(LayerRecorder):
             for name, view in named.items()
             if (param := owned_parameters(module).get(name)) is not None
         }
-        self._bound = list(bound.values())
+        self.bound = list(bound.values())
         self.last_norm_parts: NormParts | None = None
         # The last micro-batch's clip basis sqrt(norm^2 + rounding bound) and clip factors.
         self.last_clip_basis: Tensor | None = None
@@ -173,8 +174,8 @@ class PerExampleClipper(LayerRecorder):
     def bind_grads(self) -> Tensor:
         """(Re)bind every `.grad` to the flat buffer and return it. Binding at the start of a
         step means even a step over an empty sample hands the optimizer the buffer (its noise)."""
-        for p, view in self._bound:
-            if p.grad is not view:
+        for p, view in self.bound:
+            if p.grad is not view and not is_sharded(p):  # sharded: ShardedSums.bind
                 p.grad = view
         return self.flat_grad
 

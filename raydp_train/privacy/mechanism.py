@@ -57,6 +57,11 @@ class Mechanism:
     label: ClassVar[str]  # what the run summary calls it
     private: ClassVar[bool] = True  # False: no clipping, no noise, epsilon infinite
     auditable: ClassVar[bool] = False  # `raydp-train audit` measures it
+    # training.sharding fsdp (privacy/sharding.py): "sharded": the trained weights are sharded
+    # too and their sums reduce-scattered; "replicated": the trained parameters stay whole on
+    # every rank, the frozen ones are sharded; or why it cannot shard (`sharding_refused`).
+    sharding: ClassVar[str] = "sharded"
+    sharding_refused: ClassVar[str | None] = None
 
     def __init__(self, privacy=None, generator: torch.Generator | None = None) -> None:
         self.privacy, self.generator = privacy, generator
@@ -153,6 +158,8 @@ class LowRankSparse(Mechanism):
     (ARCHITECTURE.md §2.4)."""
 
     name, label = "lsg", "LSG"
+    sharding_refused = ("LSG derives its carriers from whole weights every step and maps them "
+                        "back onto whole weights, which FSDP keeps sharded")
 
     def attach(self, model: nn.Module, clip_norm: float):
         from raydp_train.privacy.clipping import PerExampleClipper
@@ -190,6 +197,7 @@ class LowRankAdapters(Mechanism):
     (ARCHITECTURE.md §2.9). Released: the merged model, and the adapters alone."""
 
     name, label = "lora", "DP-LoRA"
+    sharding = "replicated"  # its rule reads the adapters after the backward
 
     def attach(self, model: nn.Module, clip_norm: float):
         import torch
@@ -218,6 +226,7 @@ class NonPrivate(Mechanism):
     """The non-private reference: plain summed gradients, no clipping, no noise."""
 
     name, label, private = "none", "NON-PRIVATE SGD", False
+    sharding_refused = "the non-private reference binds whole gradient buffers (not sharded yet)"
 
     @classmethod
     def dp_event(cls, sampling_rate: float, noise_multiplier: float,

@@ -72,7 +72,8 @@ def _computes_rms_norm(module: nn.Module) -> bool:
     eps, hidden = epsilon(probe), probe.weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        probe.weight.copy_(torch.randn(hidden, generator=generator, dtype=torch.float64))
+        # A new weight, not a copy into the old: a sharded (FSDP) weight takes no plain copy.
+        probe.weight = nn.Parameter(torch.randn(hidden, generator=generator, dtype=torch.float64))
         for scale in (max(eps, 1e-12) ** 0.5, 1.0, 1e3):
             x = scale * torch.randn(2, 3, hidden, generator=generator, dtype=torch.float64)
             expected = probe.weight * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)

@@ -225,6 +225,9 @@ _BEHAVIOUR_NEUTRAL = frozenset({
     "__init__", "reset_parameters", "extra_repr", "__repr__", "__setstate__", "__getstate__",
     "_load_from_state_dict", "_save_to_state_dict", "__init_subclass__",
 })
+# FSDP2's classes (`fully_shard` makes FSDP<Layer>): they gather the weights around the
+# forward and shard them after, and change nothing the forward computes.
+_NEUTRAL_WRAPPERS = ("torch.distributed.fsdp.",)
 
 
 def changed_behaviour(module: nn.Module, layer: type) -> str | None:
@@ -237,6 +240,8 @@ def changed_behaviour(module: nn.Module, layer: type) -> str | None:
     for cls in type(module).__mro__:
         if cls is layer:
             break
+        if f"{cls.__module__}.".startswith(_NEUTRAL_WRAPPERS):
+            continue
         for name, value in vars(cls).items():
             if name not in _BEHAVIOUR_NEUTRAL and _is_method(value) and hasattr(layer, name):
                 return f"class {cls.__name__} redefines {layer.__name__}.{name}"

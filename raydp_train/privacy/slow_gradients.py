@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.random_state import restore_random_state
+from raydp_train.privacy.sharding import weights_held
 
 
 @dataclass
@@ -34,14 +35,15 @@ def slow_way(clipper, compute_losses, batch: tuple, chosen: list[int], state) ->
     squares = torch.zeros(len(chosen), len(groups), dtype=torch.float64)
     gradients = []
     restore_random_state(state)
-    losses = compute_losses(*batch)
-    for row, j in enumerate(chosen):
-        last = row == len(chosen) - 1
-        gradient = clipper.slot_vector(example_gradients(clipper, losses[j], keep_graph=not last))
-        for k, (_, members) in enumerate(groups):
-            squares[row, k] = sum(square(clipper.slot_in(gradient, module, slot))
-                                  for _, module, slot in members)
-        gradients.append(gradient)
+    with weights_held(clipper.model):  # sharded: the gathered weights are the ones differentiated
+        losses = compute_losses(*batch)
+        for row, j in enumerate(chosen):
+            last = row == len(chosen) - 1
+            gradient = clipper.slot_vector(example_gradients(clipper, losses[j], not last))
+            for k, (_, members) in enumerate(groups):
+                squares[row, k] = sum(square(clipper.slot_in(gradient, module, slot))
+                                      for _, module, slot in members)
+            gradients.append(gradient)
     return SlowWay(squares.sum(1).sqrt(), gradients, squares, groups)
 
 
@@ -87,9 +89,11 @@ def example_gradients(clipper, loss: Tensor, keep_graph: bool) -> dict[int, Tens
     parameters (the engine's hooks record nothing outside its own passes)."""
     if not loss.requires_grad:
         return {}
-    grads = torch.autograd.grad(loss, clipper.parameters, allow_unused=True,
-                                retain_graph=keep_graph)
-    return {id(p): g for p, g in zip(clipper.parameters, grads) if g is not None}
+    # The covered layers' parameters as they are now: under sharding, the gathered ones.
+    params = list({id(p): p for _, module, _ in clipper.layers
+                   for p in owned_parameters(module).values()}.values())
+    grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=keep_graph)
+    return {id(p): g for p, g in zip(params, grads) if g is not None}
 
 
 def each_tensor(value, change: Callable[[Tensor], Tensor]):

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raydp_train.train.charges import Charged
+    from raydp_train.train.plan import PrivacyPlan
 
 PROGRESS_LINES = ".progress_lines"
 
@@ -42,3 +47,13 @@ class RowReader:
     def remove(self) -> None:
         """The run's rows have been shown: the file goes, the run directory as it was."""
         self.path.unlink(missing_ok=True)
+
+
+def tracked_privacy(plan: PrivacyPlan, charged: Charged, budget) -> dict[str, float]:
+    """What `run.loggers` adds to an epoch's row: epsilon so far by both accountants, and the
+    global budget's epsilon left when the run spends from one."""
+    row = {f"epsilon_{accountant}": plan.epsilon(charged.steps, accountant, charged.releases)
+           for accountant in ("rdp", "pld")}
+    if budget is not None:
+        row["budget_epsilon_left"] = budget.status()["epsilon_remaining"]
+    return row

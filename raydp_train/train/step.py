@@ -29,6 +29,12 @@ class NonFiniteStepError(UserError, RuntimeError):
     """A step whose loss or clipped sum is not finite; raised before anything is released."""
 
 
+class PaddingPass(tuple):
+    """A micro-batch whose examples weigh nothing (their losses times 0: gradients exactly 0,
+    so they add exactly 0 to the clipped sum): under sharding every rank runs as many passes as
+    the rank with the most, since each pass gathers the weights (a collective)."""
+
+
 @dataclass
 class StepStats:
     loss_sum: float  # sum of the sampled examples' losses (a diagnostic, not DP-released)
@@ -109,14 +115,18 @@ def _add_micro_batches(model, clipper, micro_batches, compute_losses, engine_che
     loss_sum, count = 0.0, 0
     by_user = getattr(clipper, "unit", "example") == "user"
     for batch in micro_batches:
+        padding = isinstance(batch, PaddingPass)  # sharded: a pass that adds exactly 0
+        losses_of = _weighing_nothing(compute_losses) if padding else compute_losses
         users = {}
         if by_user:  # the micro-batch's last tensor: its rows' user ids (ARCHITECTURE §2.14)
             *batch, users["users"] = batch
         if check_due:  # the check's full pass is this micro-batch's clipped sum
-            stats = engine_checks.run(clipper, compute_losses, (model, *batch), **users)
+            stats = engine_checks.run(clipper, losses_of, (model, *batch), **users)
             check_due = False
         else:
-            stats = clipper.accumulate(compute_losses, model, *batch, **users)
+            stats = clipper.accumulate(losses_of, model, *batch, **users)
+        if padding:
+            continue
         loss_sum += stats.losses.sum().item()
         count += stats.losses.shape[0]
         if quantile is not None:
@@ -124,6 +134,10 @@ def _add_micro_batches(model, clipper, micro_batches, compute_losses, engine_che
     if check_due:  # this rank sampled nothing, but joins the other ranks' verdict
         engine_checks.run(clipper, compute_losses, None)
     return loss_sum, count
+
+
+def _weighing_nothing(compute_losses: LossFn) -> LossFn:
+    return lambda model, *batch: compute_losses(model, *batch) * 0.0
 
 
 def in_precision(per_example_loss: LossFn, precision: Precision, device_type: str) -> LossFn:

@@ -20,11 +20,14 @@ from raydp_train.models.frozen_precision import keep_frozen_in
 from raydp_train.models.hf_files import tokenizer_source
 from raydp_train.optim.optimizer import make_optimizer, make_schedule, schedule_scale
 from raydp_train.privacy.noise import make_generator, make_noise_generator
-from raydp_train.train import evaluation
+from raydp_train.privacy.sharding import weights_held
+from raydp_train.train import evaluation, sharded
 from raydp_train.train.charges import Charged, ChargeRefused
+from raydp_train.train.checkpoint_state import checkpoint_state, restore_state
 from raydp_train.train.context import parameter_checksum, peak_rss_mb, resident_mb
 from raydp_train.train.engine_checks import EngineChecks
 from raydp_train.train.plan import PrivacyPlan
+from raydp_train.train.progress_lines import tracked_privacy
 from raydp_train.train.result import TrainResult
 from raydp_train.train.samplers import make_sampler
 from raydp_train.train.step import AUTOCAST_DTYPES, private_step
@@ -92,13 +95,16 @@ class WorkerRun:
             pipeline, plan, context, local, model)
         self.shared_seed = shared_seed = _shared_seed(pipeline, context)
         self.mechanism, self.clipper = _attach(pipeline, plan, shared_seed, model)
+        # Rank 0 alone draws the noise: ONE draw of std sigma*C per step for the whole world.
+        self.std = (self.mechanism.noise_std(plan.noise_multiplier, plan.clip_norm)
+                    if context.rank == 0 else 0.0)
+        if training.sharding == "fsdp":  # sharded: each rank draws its own shard's noise
+            self.mechanism, self.clipper, self.std = sharded.shard_worker(
+                self.mechanism, self.clipper, model, plan, pipeline.run, context)
         self.optimizer = make_optimizer(model, training)
         self.schedule = make_schedule(self.optimizer, training, plan.steps)  # logical steps
         self.noise_generator, self.noise_mode = make_noise_generator(pipeline.run.noise, seed,
                                                                      context.device)
-        # Rank 0 alone draws the noise: ONE draw of std sigma*C per step for the whole world.
-        self.std = (self.mechanism.noise_std(plan.noise_multiplier, plan.clip_norm)
-                    if context.rank == 0 else 0.0)
         self.sampling_generator, _ = make_generator(
             None if seed is None else seed + 1 + context.rank)
         self.engine_checks = EngineChecks(pipeline.privacy.self_check, shared_seed + 1,
@@ -143,16 +149,7 @@ class WorkerRun:
         state = self.context.restore()
         if state is None:
             return
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        self.step, self.first_epoch = state["step"], state["epoch"] + 1
-        if state.get("clip_norm"):  # as adaptive clipping left it (the same C otherwise)
-            self.clipper.clip_norm = state["clip_norm"]
-        self.result.metrics = state["metrics"]
-        # The nodes of the attempts before this one (a failover moves ranks to other nodes).
-        self.result.nodes_ever = sorted({*self.result.nodes_ever, *state.get("nodes_ever", ())})
-        self.mechanism.refresh(self.step, self.first_epoch, force=True)  # restored weights
+        restore_state(self, state)
 
     def train_epoch(self, epoch: int, end: int, after_step=None) -> bool:
         """Charge the epoch, run its steps up to `end`, score, report a checkpoint; False
@@ -168,14 +165,12 @@ class WorkerRun:
         row = self._epoch_row(epoch, charged, loss_sum, seen)
         self.context.settle(epoch_charge)
         self.result.metrics.append(row)
-        self.context.report(row, self._checkpoint_state(epoch))
+        self.context.report(row, checkpoint_state(self, epoch))
         return True
 
-    def _checkpoint_state(self, epoch: int) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "schedule": self.schedule.state_dict(), "epoch": epoch, "step": self.step,
-                "metrics": list(self.result.metrics), "nodes_ever": self.result.nodes_ever,
-                "clip_norm": getattr(self.clipper, "clip_norm", None)}  # adaptive: it moves
+    def _spare_row(self) -> tuple:
+        device = self.context.device
+        return self.local.train_features[:1].to(device), self.local.train_labels[:1].to(device)
 
     def _steps(self, epoch: int, end: int, after_step) -> tuple[float, int]:
         """The DP steps up to `end`; (loss sum, examples) of this rank's samples."""
@@ -188,6 +183,8 @@ class WorkerRun:
         while self.step < end:
             self.mechanism.refresh(self.step, epoch)
             batches = self.sampler.step_batches()
+            if training.sharding == "fsdp":  # every rank as many passes (each gathers weights)
+                batches = sharded.equal_passes(list(batches), self._spare_row, context)
             context.releasing_step(self.step)  # on record before its noisy gradient can leave
             stats = private_step(
                 self.model, self.clipper, self.optimizer, batches, self.loss, self.std,
@@ -240,8 +237,9 @@ class WorkerRun:
     def _evaluate(self, split: str) -> list[float]:
         """The task's sums of `split` over every rank's rows (e.g. correct, rows; a causal LM's
         token loss sum, tokens)."""
-        sums = torch.tensor(self.score(self.model, split), dtype=torch.float64,
-                            device=self.context.device)
+        with weights_held(self.model, gather_now=True):  # sharded: ranks' row counts differ
+            sums = torch.tensor(self.score(self.model, split), dtype=torch.float64,
+                                device=self.context.device)
         self.context.all_reduce_sum(sums)
         return sums.tolist()
 
@@ -252,6 +250,7 @@ class WorkerRun:
         trained = self.mechanism.trained(self.clipper)
         result.final_step_sum_std = trained.std().item() * self.plan.expected_batch_size
         self.clipper.close()
+        result.model = sharded.whole_model(self.model, self._unsharded)
         charged = context.charged()
         result.steps_done, result.steps_charged, result.releases_charged = self.step, *charged
         result.trained_per_step = trained.numel()
@@ -259,19 +258,15 @@ class WorkerRun:
                                              round(self.engine_checks.seconds, 3)))
         result.model_parameters = sum(p.numel() for p in self.model.parameters())
         result.per_example_path = getattr(self.clipper, "per_example_path", [])
-        result.checksums = context.gather(parameter_checksum(self.model))
+        result.checksums = context.gather(parameter_checksum(result.model))
         result.peak_rss_mb = context.gather(peak_rss_mb())
         return result
 
-
-def tracked_privacy(plan: PrivacyPlan, charged: Charged, budget) -> dict[str, float]:
-    """What `run.loggers` adds to an epoch's row: epsilon so far by both accountants, and the
-    global budget's epsilon left when the run spends from one."""
-    row = {f"epsilon_{accountant}": plan.epsilon(charged.steps, accountant, charged.releases)
-           for accountant in ("rdp", "pld")}
-    if budget is not None:
-        row["budget_epsilon_left"] = budget.status()["epsilon_remaining"]
-    return row
+    def _unsharded(self) -> nn.Module:
+        """A fresh model shaped as this run's (adapters included), not sharded."""
+        model = build_model(self.pipeline.model, self.local.feature_shape, self.local.num_classes)
+        _attach(self.pipeline, self.plan, self.shared_seed, model)[1].close()
+        return model
 
 
 def _local_rows(pipeline, context, dataset, data_shape, streaming: bool):

@@ -1,0 +1,31 @@
+"""What a worker's checkpoint holds, and how a restarted worker continues from it: the model
+and optimizer (a sharded model's tensors gathered whole, train/sharded.py), the schedule, the
+step and epoch reached, the epoch rows so far, every node the run's workers ran on, and C as
+adaptive clipping left it."""
+
+from __future__ import annotations
+
+from raydp_train.train import sharded
+
+
+def checkpoint_state(run, epoch: int) -> dict:
+    """The state of `run` (a train/worker.py WorkerRun) at the end of `epoch`."""
+    return {"model": sharded.gathered(run.model.state_dict()),
+            "optimizer": sharded.gathered(run.optimizer.state_dict()),
+            "schedule": run.schedule.state_dict(), "epoch": epoch, "step": run.step,
+            "metrics": list(run.result.metrics), "nodes_ever": run.result.nodes_ever,
+            "clip_norm": getattr(run.clipper, "clip_norm", None)}  # adaptive: it moves
+
+
+def restore_state(run, state: dict) -> None:
+    """`run` continues from `state`: its weights, schedule and place; its mechanism refreshed
+    for the restored weights."""
+    sharded.load_weights(run.model, run.optimizer, state)
+    run.schedule.load_state_dict(state["schedule"])
+    run.step, run.first_epoch = state["step"], state["epoch"] + 1
+    if state.get("clip_norm"):  # as adaptive clipping left it (the same C otherwise)
+        run.clipper.clip_norm = state["clip_norm"]
+    run.result.metrics = state["metrics"]
+    # The nodes of the attempts before this one (a failover moves ranks to other nodes).
+    run.result.nodes_ever = sorted({*run.result.nodes_ever, *state.get("nodes_ever", ())})
+    run.mechanism.refresh(run.step, run.first_epoch, force=True)  # restored weights
