@@ -72,7 +72,6 @@ def losses(model, tokens, labels=None):
 
 def steps(args, mode: str, model, rank: int, world: int) -> None:
     from raydp_train.optim.updates import Adam
-
     from raydp_train.privacy.clipping import PerExampleClipper
     from raydp_train.privacy.mechanism import DpSgd
     from raydp_train.privacy.sharding import ShardedMechanism, ShardedSums

@@ -19,8 +19,8 @@ from oracles import (
     naive_clipped_sum,
     padded_tokens,
 )
-from raydp_train.optim.updates import Adam
 
+from raydp_train.optim.updates import Adam
 from raydp_train.privacy.clipping import PerExampleClipper
 from raydp_train.privacy.mechanism import DpSgd
 from raydp_train.privacy.noise import fill_gaussian_noise_
