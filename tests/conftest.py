@@ -80,16 +80,32 @@ def _check_shared_within_one_file(items) -> None:
                                     f"used by {sorted(files)}: keep its tests in one file")
 
 
+# The embedded Ray of `raydp-train run`: 4 logical CPUs, so 2 workers and Ray Train's
+# controller all schedule on 2 cores (ARCHITECTURE.md §4).
+SESSION_RAY_CPUS = 4
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     ray = pytest.importorskip("ray", reason="ray is a runtime dependency")
     from raydp_train.train.trainer import ensure_ray
 
-    # The embedded Ray of `raydp-train run`: 4 logical CPUs, so 2 workers and Ray Train's
-    # controller all schedule on 2 cores (ARCHITECTURE.md §4).
-    ensure_ray(None, num_cpus=4)
+    ensure_ray(None, num_cpus=SESSION_RAY_CPUS)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def session_ray_up(request):
+    """A test before may have shut the session's Ray down (a refused --address does): start it
+    again as it was. Else Ray Data would start one on its own, with this machine's 2 CPUs,
+    which 2 training workers fill, and a dataset shard's read would wait for ever."""
+    ray = sys.modules.get("ray")
+    if "ray_session" in request.fixturenames and ray is not None and not ray.is_initialized():
+        from raydp_train.train.trainer import ensure_ray
+
+        ensure_ray(None, num_cpus=SESSION_RAY_CPUS)
+    yield
 
 
 @pytest.fixture(scope="session")
