@@ -24,6 +24,7 @@ from raydp_train.budget.actor import actor_name, open_budget
 from raydp_train.budget.book import NAMESPACE
 from raydp_train.budget.terms import BudgetTerms, Spend
 from raydp_train.config.budget import BudgetConfig
+from raydp_train.runs.resources import RETRY_START_WAIT_S
 from raydp_train.train.trainer import ensure_ray
 
 SPEND = Spend(0.02, 1.0, 200)
@@ -39,6 +40,9 @@ def fits_alone(epsilon: float, directory: str, spend: Spend = SPEND) -> int:
 
 
 def main(ledger: str, epsilon: float, requests: int, sync_dir: str, kill: bool) -> None:
+    # Two clusters start at once beside the rest of the suite: give each GCS the wait that
+    # `raydp-train`'s second try gives (runs/resources.py), not Ray's 30 s.
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(RETRY_START_WAIT_S))
     ensure_ray(None, num_cpus=1)
     open_budget(BudgetConfig(name="shared", epsilon=epsilon, delta=1e-5, ledger=ledger))
     actor = ray.get_actor(actor_name("shared"), namespace=NAMESPACE)
