@@ -102,7 +102,8 @@ def test_the_head_killed_mid_sweep_loses_no_charge_and_a_new_sweep_stays_in_budg
         nodes.restart(cpus=1)
         status = _budget_status(nodes, "heads", ledger)
         assert status["steps_spent"] + status["steps_reserved"] == _steps_counted(before)
-        done = nodes.run(nodes.head, command, cwd=ROOT, timeout=600)
+        # --new: a sweep of its own (the same command alone continues the killed one).
+        done = nodes.run(nodes.head, [*command, "--new"], cwd=ROOT, timeout=600)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         after = ledger_rows("heads", str(ledger))
         assert after[:len(before)] == before
