@@ -1,6 +1,7 @@
-"""The GPU check (issue 28), run by benchmarks/gpu_check.sh: the CUDA tests, the step times of
-benchmarks/gpu_step.py, the quickstart and a 1-epoch SST-2 subset with
-`training.use_gpu: true`; then one table.
+"""The GPU check, run by benchmarks/gpu_check.sh: the CUDA tests, the step times of
+benchmarks/gpu_step.py, the quickstart, a 1-epoch SST-2 subset with `training.use_gpu: true`
+(DP-SGD, and DP-LoRA on an fp32 and a bf16 frozen base), and FSDP sharding on 2 workers
+(NCCL, one GPU each: skipped, saying so, with fewer); then one table.
 
     bash benchmarks/gpu_check.sh              (one GPU; under 8 minutes)
     bash benchmarks/gpu_check.sh --dry-run    (no GPU: the same checks on the CPU, shrunk)
@@ -57,9 +58,11 @@ def step_times(dry_run: bool, out: Path) -> tuple[str, float]:
     return out.read_text(), seconds
 
 
-def pipeline_run(pipeline: str, dry_run: bool, folder: Path, *settings: str) -> tuple[str, float]:
-    output = folder / Path(pipeline).stem
-    _, seconds = run([str(BIN / "raydp-train"), "run", pipeline, "--set", "training.workers=1",
+def pipeline_run(pipeline: str, dry_run: bool, folder: Path, *settings: str,
+                 name: str | None = None, workers: int = 1) -> tuple[str, float]:
+    output = folder / (name or Path(pipeline).stem)
+    _, seconds = run([str(BIN / "raydp-train"), "run", pipeline,
+                      "--set", f"training.workers={workers}",
                       "--set", f"training.use_gpu={str(not dry_run).lower()}",
                       "--set", f"run.output_dir={output}", *settings], 420)
     (run_dir,) = [d for d in output.iterdir() if d.is_dir()]
@@ -80,6 +83,31 @@ def sst2_subset(dry_run: bool, folder: Path) -> list[str]:
     if dry_run:  # the pipeline's batch of 1,024 is more than a dry run's rows
         settings += ["--set", "training.batch_size=16", "--set", "training.max_physical_batch=16"]
     return settings
+
+
+def lora_rows(dry_run: bool, folder: Path, subset: list[str]) -> list[tuple]:
+    """DP-LoRA on the SST-2 subset with its frozen base in fp32 and in bf16 (a dry run: bf16
+    alone, the path the fp32 runs of the test suite do not take)."""
+    dtypes = ("bf16",) if dry_run else ("fp32", "bf16")
+    return [(f"SST-2 subset, 1 epoch, DP-LoRA, {dtype} frozen base",
+             *pipeline_run("pipelines/sst2_minilm_lora.yaml", dry_run, folder,
+                           "--set", "training.epochs=1", "--set", f"model.frozen_dtype={dtype}",
+                           *subset, name=f"lora-{dtype}"))
+            for dtype in dtypes]
+
+
+def sharded_row(dry_run: bool, folder: Path) -> tuple:
+    """`training.sharding: fsdp` on 2 workers: NCCL wants a GPU per rank (a dry run: Gloo)."""
+    check = "digits, 1 epoch, DP-SGD, training.sharding fsdp on 2 workers"
+    if not dry_run:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            found = torch.cuda.device_count()
+            return check, f"skipped: {found} GPU here, NCCL needs one per rank", 0.0
+    return (check, *pipeline_run("pipelines/digits_dpsgd.yaml", dry_run, folder,
+                                 "--set", "training.epochs=1", "--set",
+                                 "training.sharding=fsdp", name="sharded", workers=2))
 
 
 def main() -> None:
@@ -104,6 +132,8 @@ def main() -> None:
         rows.append((f"SST-2 subset ({SUBSET[args.dry_run][0]} rows), 1 epoch, DP-SGD",
                      *pipeline_run("pipelines/sst2_minilm_dpsgd.yaml", args.dry_run, folder,
                                    "--set", "training.epochs=1", *subset)))
+        rows += lora_rows(args.dry_run, folder, subset)
+        rows.append(sharded_row(args.dry_run, folder))
     where = "CPU dry run" if args.dry_run else "GPU"
     print(f"\n## GPU check ({where}, {time.strftime('%Y-%m-%d')})\n\n"
           "| check | result | seconds |\n|---|---|---:|", flush=True)

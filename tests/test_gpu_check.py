@@ -36,11 +36,13 @@ def test_gpu_check_dry_run_runs_every_check_on_the_cpu(ray_session):
     table = done.stdout[done.stdout.index("## GPU check (CPU dry run"):]
     for check in ("CUDA tests", "step times", "quickstart", "SST-2 subset"):
         assert f"| {check}" in table
+    assert "DP-LoRA, bf16 frozen base | test accuracy" in table
+    assert "training.sharding fsdp on 2 workers | test accuracy" in table
     assert "skipped" in table  # the CUDA tests ran, and said why they skip without a GPU
     for model in ("minilm", "llama"):
         for precision in ("fp32", "bf16"):
             assert f"| {model} | {precision} |" in table
-    assert table.count("test accuracy") == 2
+    assert table.count("test accuracy") == 4
 
 
 def test_the_bundle_packs_what_the_gpu_machine_lacks_and_nothing_it_has(tmp_path):
