@@ -4,6 +4,7 @@ the same metrics and epsilons as a sweep over those rows in Parquet, no row writ
 run.output_dir (every file scanned for each row's token), the budget's spend dp-accounting's;
 a saved Hugging Face dataset sweeps too; datasets that do not fit are refused before Ray."""
 
+import json
 import math
 
 import dp_accounting
@@ -105,3 +106,90 @@ def test_a_saved_hugging_face_dataset_sweeps(ray_session, tmp_path):
     assert all(0 < trial["validation_accuracy"] <= 1 for trial in swept.trials)
     assert not any(math.isnan(trial["test_accuracy"]) for trial in swept.trials)
     assert files_holding_rows(tmp_path / "hf-sweep", list(marked.values())) == []
+
+
+# A driver of its own: a sweep over Ray Datasets made in this process from fixed seeds.
+DRIVER = """
+import sys
+sys.path.insert(0, sys.argv[3])
+import ray.data
+from test_ray_dataset_sweeps import sweep_dict
+from test_ray_datasets import rows, with_tokens
+import raydp_train as rt
+from pathlib import Path
+tmp_path, given = Path(sys.argv[1]), sys.argv[2] == "rows"
+raw = sweep_dict(tmp_path, {"source": "ray_dataset", "validation": {"private": False}},
+                 "resumed-rows", epochs=40)
+raw["run"]["seed"] = 5
+tables = [with_tokens(rows(400, 1), "train"), with_tokens(rows(100, 2), "test"),
+          with_tokens(rows(60, 3), "dev")]
+datasets = {name: ray.data.from_arrow(table) for name, table in
+            zip(("train", "test", "validation"), tables)} if given else None
+try:
+    rt.tune(rt.Pipeline.from_dict(raw), datasets=datasets)
+except rt.UserError as error:
+    print(error, file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_over_ray_datasets_continues_when_given_them_again(tmp_path, request):
+    """kill -9 of the driver once a trial finished and one is mid-way: without the datasets
+    the same call is refused in one line; with them Tune's restore continues the sweep, the
+    finished trial not run again, and still no row is written. In the long mode only."""
+    if request.config.getoption("--long") is None:
+        pytest.skip("minutes on 2 cores: run with --long (make test keeps its 20 minutes)")
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from ray_head import isolated_env, stop_marked
+    from test_sweep_resume import trial_states
+
+    temp = Path(tempfile.mkdtemp(prefix="rdp", dir="/tmp"))  # short: Ray's socket paths
+    env = isolated_env(temp, ray_tmpdir=temp)
+    tests = str(Path(__file__).parent)
+
+    def driver(rows_given: str) -> list[str]:
+        return [sys.executable, "-c", DRIVER, str(tmp_path), rows_given, tests]
+
+    try:
+        first = subprocess.Popen(driver("rows"), env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and first.poll() is None:
+            sweeps = list((tmp_path / "resumed-rows").glob("tables-sweep-*"))
+            if sweeps and all(trial_states(sweeps[0])):
+                first.kill()
+                first.wait()
+                break
+            time.sleep(0.05)
+        assert first.returncode == -9, "the sweep never had a finished and a mid-way trial"
+        stop_marked(str(temp))
+        (sweep,) = (tmp_path / "resumed-rows").glob("tables-sweep-*")
+        finished, _ = trial_states(sweep)
+        charged = {trial: len(list(sweep.glob(f"train/{trial}*/charges/*.json")))
+                   for trial in finished}
+        refused = subprocess.run(driver("none"), env=env, capture_output=True, text=True,
+                                 timeout=600, check=False)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "data.source: ray_dataset needs the rows" in refused.stderr
+        assert "given again to continue a run or sweep" in refused.stderr
+        again = subprocess.run(driver("rows"), env=env, capture_output=True, text=True,
+                               timeout=900, check=False)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert "continuing the unfinished sweep" in again.stdout
+    finally:
+        stop_marked(str(temp))
+        shutil.rmtree(temp, ignore_errors=True)
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert [t["stop_reason"] for t in summary["trials"]] == ["completed"] * 2, summary["trials"]
+    for trial, count in charged.items():  # not run again: no epoch charged after the kill
+        assert len(list(sweep.glob(f"train/{trial}*/charges/*.json"))) == count, trial
+    marked = [with_tokens(rows(400, 1), "train"), with_tokens(rows(100, 2), "test"),
+              with_tokens(rows(60, 3), "dev")]
+    assert files_holding_rows(tmp_path / "resumed-rows", marked) == []
