@@ -193,27 +193,28 @@ def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = Fals
          datasets: dict | None = None, scaling_config=None, run_config=None, new: bool = False):
     """Run the pipeline's `tune:` sweep, every trial spending from its one budget; the
     SweepResult, or None when the budget cannot pay a trial. An unfinished sweep of the
-    pipeline whose driver died is continued, unless `new`. `datasets`: as run's; each trial's
-    workers and restarts from `scaling_config` / `run_config` (no storage of their own)."""
+    pipeline whose driver died is continued, unless `new`. `datasets`: as run's, checked once;
+    each trial's workers and restarts from `scaling_config` / `run_config` (no storage)."""
     from raydp_train.checks.preflight import check_before_ray
-    from raydp_train.data.ray_datasets import with_ray_datasets
+    from raydp_train.data.ray_datasets import check_datasets, ray_splits
     from raydp_train.runs.locations import check_locations, warn_if_not_shared
     from raydp_train.runs.resources import connect
     from raydp_train.sweeps.runner import run_sweep
     from raydp_train.train.ray_configs import with_ray_configs
 
     pipeline = with_ray_configs(pipeline, scaling_config, run_config, source, sweep=True)[0]
-    pipeline = with_ray_datasets(pipeline, datasets, source)
     if pipeline.tune is None:
         raise PipelineError(source, [("tune: required by `raydp-train tune` (search_space, "
                                      "num_samples, ...); see README")])
+    check_datasets(pipeline, datasets, source)  # (to resume too) refused before Ray starts
     check_locations(pipeline, source)
     check_loggers(pipeline, source)
     check_before_ray(pipeline)
 
-    def connect_and_warn() -> None:
+    def connect_and_warn() -> dict | None:  # the splits every trial reads, or None
         connect(address, pipeline.training, _cpus(pipeline), verbose)
         warn_if_not_shared(pipeline, address)
+        return ray_splits(pipeline, datasets, source)
 
     return run_sweep(pipeline, connect=connect_and_warn, on_line=on_line or _silent,
                      source=source, new=new)
@@ -259,14 +260,13 @@ def _prepare_run(pipeline: Pipeline, address: str | None, verbose: bool, source:
     Data, and Ray Datasets are checked by it. (pipeline with Ray's configs, RaySettings, its
     Ray Datasets, Dataset, plan)."""
     from raydp_train.checks.preflight import check_before_ray, check_pipeline
-    from raydp_train.data.ray_datasets import ray_splits, require_rows
+    from raydp_train.data.ray_datasets import check_datasets, ray_splits
     from raydp_train.runs.locations import check_locations, warn_if_not_shared
     from raydp_train.runs.resources import connect
     from raydp_train.train.ray_configs import with_ray_configs
 
     pipeline, settings = with_ray_configs(pipeline, *ray_configs, source)
-    if datasets is None:  # a ray_dataset pipeline without its rows: refused before Ray starts
-        require_rows(pipeline, source)
+    check_datasets(pipeline, datasets, source)  # refused before Ray starts
     check_locations(pipeline, source)
     check_loggers(pipeline, source)
     check_before_ray(pipeline)

@@ -3,6 +3,8 @@ handed over as Ray Datasets (several blocks) give the same seeded run as Parquet
 no row written under run.output_dir (every file there scanned for each row's token); a
 pipeline and datasets that do not fit are refused by name before anything is spent."""
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,7 +13,7 @@ import yaml
 
 import raydp_train as rt
 from raydp_train.commands.cli import main
-from raydp_train.data.ray_datasets import with_ray_datasets
+from raydp_train.data.ray_datasets import check_datasets
 
 
 def rows(count: int, seed: int) -> pa.Table:
@@ -108,16 +110,31 @@ def test_a_ray_dataset_pipeline_without_its_rows_is_refused_by_name(tmp_path, ca
     ("ray_dataset", {"test": "rows"}, "datasets: needs 'train'"),
     ("ray_dataset", {"train": "rows", "dev": "rows"}, "'dev' is not a split"),
     ("ray_dataset", {"train": [1, 2]}, "datasets['train']: must be a ray.data.Dataset, got list"),
+    ("ray_dataset", None, "data.source: ray_dataset needs the rows"),
+    ("hf_dataset", {"train": "rows"}, "datasets: data.source hf_dataset reads its own splits"),
 ])
-def test_datasets_that_do_not_fit_the_pipeline_are_refused_by_name(tmp_path, source, datasets,
-                                                                   message):
-    data = {"source": source}
-    if source == "parquet":
-        data["path"] = str(tmp_path / "train.parquet")
-    pipeline = rt.Pipeline.from_dict(pipeline_dict(tmp_path, data))
-    with pytest.raises(rt.UserError, match=message.replace("[", r"\[").replace("]", r"\]")
-                       .replace("(", r"\(").replace(")", r"\)")):
-        with_ray_datasets(pipeline, datasets)
+def test_datasets_that_do_not_fit_the_pipeline_are_refused_by_name_before_ray(
+        tmp_path, monkeypatch, source, datasets, message):
+    """By run and by tune (a sweep, resumed or not), before Ray starts and any budget."""
+    import raydp_train.runs.resources
+
+    def no_ray(*_, **__):
+        raise AssertionError("Ray was joined or started before the refusal")
+
+    monkeypatch.setattr(raydp_train.runs.resources, "connect", no_ray)
+    data = {"source": source, "validation": {"fraction": 0.2, "private": False}}
+    if source != "ray_dataset":
+        data["path"] = str(tmp_path / "train")
+        (tmp_path / "train").mkdir()
+    raw = pipeline_dict(tmp_path, data)
+    raw["budget"] = {"name": "refused", "epsilon": 5.0, "delta": 1e-4,
+                     "ledger": str(tmp_path / "ledger")}
+    raw["tune"] = {"num_samples": 1, "search_space": {"training.lr": {"grid": [0.1, 0.2]}}}
+    pipeline = rt.Pipeline.from_dict(raw)
+    for call in (rt.run, rt.tune):
+        with pytest.raises(rt.UserError, match=re.escape(message)):
+            call(pipeline, datasets=datasets, on_line=None)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "ledger").exists()
 
 
 @pytest.mark.parametrize("validation, given, message", [
@@ -130,9 +147,8 @@ def test_a_validation_dataset_and_the_validation_section_must_agree(tmp_path, va
     data = {"source": "ray_dataset", **({"validation": validation} if validation else {})}
     pipeline = rt.Pipeline.from_dict(pipeline_dict(tmp_path, data))
     datasets = {"train": "rows", **({"validation": "rows"} if given else {})}
-    with pytest.raises(rt.UserError, match=message.replace("[", r"\[").replace("]", r"\]")
-                       .replace("(", r"\(").replace(")", r"\)")):
-        with_ray_datasets(pipeline, datasets)
+    with pytest.raises(rt.UserError, match=re.escape(message)):
+        check_datasets(pipeline, datasets)
 
 
 def test_a_file_sources_validation_still_names_its_rows(tmp_path):

@@ -41,10 +41,30 @@ def check_text_model(pipeline: Pipeline) -> None:
 
 
 def check_data_and_plan(pipeline: Pipeline, for_training: bool,
-                        datasets: dict | None = None) -> tuple[Dataset, PrivacyPlan]:
-    """`datasets`: a ray_dataset pipeline's Ray Datasets, checked where they are."""
-    from raydp_train.data.sources import load_data
+                        datasets: dict | None = None,
+                        checked: Dataset | None = None) -> tuple[Dataset, PrivacyPlan]:
+    """`datasets`: a ray_dataset pipeline's Ray Datasets, checked where they are; `checked`:
+    their summary, checked before (a sweep's trial), taken as it is."""
     from raydp_train.train.plan import PlanError, make_plan
+
+    dataset = checked if checked is not None else _data(pipeline, for_training, datasets)
+    units, unit = dataset.num_units, pipeline.privacy.unit
+    if dataset.train_users is not None:
+        from raydp_train.data.users import state_rows_per_user
+
+        state_rows_per_user(dataset.train_users, pipeline.privacy.rows_per_user)
+    # make_plan allows q = 1 (tests use it for an exact full-batch step); a pipeline may not.
+    if pipeline.training.batch_size >= units:
+        raise PlanError(
+            f"training.batch_size: must be < the {units} training {unit}s (q = "
+            "batch_size / N must be < 1: at q = 1 every step takes every example, with no "
+            f"amplification by sampling), got {pipeline.training.batch_size}")
+    return dataset, make_plan(pipeline, units)
+
+
+def _data(pipeline: Pipeline, for_training: bool, datasets: dict | None) -> Dataset:
+    """The pipeline's data, read and checked (check_data_and_plan)."""
+    from raydp_train.data.sources import load_data
 
     tokenize = for_training
     if for_training:
@@ -59,23 +79,10 @@ def check_data_and_plan(pipeline: Pipeline, for_training: bool,
     if datasets is not None:
         from raydp_train.data.ray_dataset_checks import checked_datasets
 
-        dataset = checked_datasets(datasets, pipeline.data, pipeline.model.num_classes,
-                                   tokenizer_source(pipeline.model), classes_field)
-    else:
-        dataset = load_data(pipeline.data, pipeline.model.num_classes,
-                            tokenizer_source(pipeline.model), classes_field, tokenize=tokenize)
-    units, unit = dataset.num_units, pipeline.privacy.unit
-    if dataset.train_users is not None:
-        from raydp_train.data.users import state_rows_per_user
-
-        state_rows_per_user(dataset.train_users, pipeline.privacy.rows_per_user)
-    # make_plan allows q = 1 (tests use it for an exact full-batch step); a pipeline may not.
-    if pipeline.training.batch_size >= units:
-        raise PlanError(
-            f"training.batch_size: must be < the {units} training {unit}s (q = "
-            "batch_size / N must be < 1: at q = 1 every step takes every example, with no "
-            f"amplification by sampling), got {pipeline.training.batch_size}")
-    return dataset, make_plan(pipeline, units)
+        return checked_datasets(datasets, pipeline.data, pipeline.model.num_classes,
+                                tokenizer_source(pipeline.model), classes_field)
+    return load_data(pipeline.data, pipeline.model.num_classes,
+                     tokenizer_source(pipeline.model), classes_field, tokenize=tokenize)
 
 
 def check_model(pipeline: Pipeline, feature_shape: tuple[int, ...], num_classes: int,

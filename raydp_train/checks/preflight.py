@@ -22,12 +22,14 @@ if TYPE_CHECKING:
 
 def check_pipeline(pipeline: Pipeline, for_training: bool = True,
                    build_model: bool = True,
-                   datasets: dict | None = None) -> tuple[Dataset, PrivacyPlan]:
+                   datasets: dict | None = None,
+                   checked: Dataset | None = None) -> tuple[Dataset, PrivacyPlan]:
     """The data and the plan, once every check passed. `for_training=False` (validate) makes
     the same checks on names, shapes and types only: text is not tokenized (so Ray is not
     started) and a pretrained model is built on the meta device, its weights never read, or,
     with `build_model=False`, only its files are checked; a data error is still reported
-    before a model error. `datasets`: a ray_dataset pipeline's Ray Datasets (run's)."""
+    before a model error. `datasets`: a ray_dataset pipeline's Ray Datasets (run's);
+    `checked`: the summary of Ray Datasets a sweep's driver checked (not read again)."""
     # Never fork a process that runs Ray's threads (a sweep's driver checks its candidates here).
     if not for_training and _is_text(pipeline) and not _ray_running():
         with _model_check(pipeline, build_model) as model_checked:
@@ -42,7 +44,7 @@ def check_pipeline(pipeline: Pipeline, for_training: bool = True,
 
     if _is_text(pipeline):
         checks.check_tokenizer(pipeline)  # a bad name_or_path fails here, not inside Ray Data
-    dataset, plan = checks.check_data_and_plan(pipeline, for_training, datasets)
+    dataset, plan = checks.check_data_and_plan(pipeline, for_training, datasets, checked)
     model = checks.check_model(pipeline, dataset.feature_shape, dataset.num_classes, for_training)
     checks.check_schedule(model, pipeline, plan.steps)
     if _is_text(pipeline):  # validate's model check is a part of these: it may be skipped next

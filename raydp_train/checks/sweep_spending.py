@@ -33,17 +33,19 @@ def check_search_installed(search: str) -> None:
             f"pip install 'raydp-train[{EXTRA}]' (or choose search: random)")
 
 
-def check_search_space(pipeline: Pipeline, plan) -> None:
+def check_search_space(pipeline: Pipeline, plan, checked=None) -> None:
     """Validate the pipeline at every extreme value of every searched field, before any
     budget is touched: a bad bound fails here, naming the field, not in trial 7; and the
-    search algorithm's package is installed."""
+    search algorithm's package is installed. `checked`: the summary of the sweep's Ray
+    Datasets, checked once (check_pipeline)."""
     check_search_installed(pipeline.tune.search)
     base = pipeline.model_dump(mode="json")
     for key, dimension in pipeline.tune.search_space.items():
         for value in dimension.values():
             candidate = pipeline_from_dict(base, [f"{key}={value}"],
                                            source=f"tune.search_space.{key}={value}")
-            check_pipeline(candidate, for_training=False)  # data and weights: checked once
+            # data and weights: checked once
+            check_pipeline(candidate, for_training=False, checked=checked)
     _check_warmup_fits(pipeline, plan)
 
 

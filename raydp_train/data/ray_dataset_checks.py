@@ -6,10 +6,13 @@ the driver holds the labels and the row counts, as it does for Parquet splits, n
 features; nothing is written anywhere. An error names the dataset (`datasets['train']`), not
 a file. The driver's summary is a `Dataset` whose features are zeros of the right shape (one
 row broadcast): the plan's N, the model's input shape and the label checks come from it;
-each worker then reads its own shard (data/shards.py).
+each worker then reads its own shard (data/shards.py). A sweep's trials get the summary through
+the object store `portable` (one zero row per split: a broadcast array is pickled whole).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pyarrow as pa
@@ -55,6 +58,25 @@ def checked_datasets(datasets: dict, data, num_classes: int | None, tokenizer: s
                    read["test"][1].astype(kind.dtype), classes, validation[0],
                    None if validation[1] is None else validation[1].astype(kind.dtype),
                    features_read=False)
+
+
+def portable(summary: Dataset) -> Dataset:
+    """The summary as it travels to a sweep's trials: each split's zero features one row."""
+    return dataclasses.replace(summary, **{name: features[:1]
+                                           for name, features in _features(summary)})
+
+
+def widened(sent: Dataset) -> Dataset:
+    """A `portable` summary with each split's zero features broadcast to its rows again."""
+    return dataclasses.replace(sent, **{
+        name: np.broadcast_to(features, (len(getattr(sent, name.replace("features", "labels"))),
+                                         *features.shape[1:]))
+        for name, features in _features(sent)})
+
+
+def _features(summary: Dataset) -> list[tuple[str, np.ndarray]]:
+    names = ("train_features", "test_features", "validation_features")
+    return [(name, getattr(summary, name)) for name in names if getattr(summary, name) is not None]
 
 
 def _checked_split(dataset, data, split: str) -> tuple[np.ndarray, np.ndarray]:

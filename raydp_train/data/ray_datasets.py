@@ -11,37 +11,30 @@ a validation split, by Ray Data on the cluster. A "validation" dataset is the va
 split; `data.validation` still says how its metric is released (private, noise_multiplier).
 A resumed run reads the datasets given to it again (`run(..., resume=run_dir, datasets=...)`).
 
-A sweep's trials (`tune`) still read Parquet copies: `with_ray_datasets` writes each
-dataset once, block by block, under `<run.output_dir>/datasets/`, and the pipeline reads them.
+A sweep (`tune(pipeline, datasets=...)`) cuts and checks its splits once on the driver, and
+every trial's workers read the same split datasets (the same seeded cut) through Ray Train's
+`datasets=`, as run's do (sweeps/trial.py); a resumed sweep is given them again.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from pathlib import Path
-
 from raydp_train.config.pipeline import Pipeline, PipelineError
 
-# A dataset's name -> the data field it fills.
-SPLITS = {"train": "path", "test": "test_path", "validation": "validation.path"}
+SPLITS = ("train", "test", "validation")  # the names of the datasets handed over
 
 
 def ray_splits(pipeline: Pipeline, datasets: dict | None,
                source: str = "<pipeline>") -> dict | None:
-    """The splits {"train", "test"[, "validation"]} a ray_dataset pipeline trains on, as
-    lazy Ray Datasets (test and validation cut from train where the pipeline says); None for
-    a pipeline that reads files. Refused by name: datasets for a pipeline that reads files,
-    or a ray_dataset pipeline without them."""
+    """The splits {"train", "test"[, "validation"]} a ray_dataset or hf_dataset pipeline trains
+    on, as lazy Ray Datasets (test and validation cut from train where the pipeline says: a
+    seeded cut, materialized in the object store); None for a pipeline that reads files."""
+    check_datasets(pipeline, datasets, source)
     data = pipeline.data
     if data.source == "hf_dataset":  # its own splits, by name (data/hf_datasets.py)
         from raydp_train.data.hf_datasets import hf_ray_datasets
 
-        if datasets is not None:
-            raise PipelineError(source, [("datasets: data.source hf_dataset reads its own "
-                                          "splits; pass datasets with source ray_dataset")])
         datasets = hf_ray_datasets(data)
-    elif not _fit(pipeline, datasets, source):
+    elif datasets is None:
         return None
     splits = dict(datasets)
     if "test" not in splits:
@@ -65,40 +58,20 @@ def _cut(dataset, fraction: float, seed: int, field: str):
     return dataset.train_test_split(test_size=held, shuffle=True, seed=seed)
 
 
-def with_ray_datasets(pipeline: Pipeline, datasets: dict | None,
-                      source: str = "<pipeline>") -> Pipeline:
-    """A sweep's `pipeline` reading `datasets` written as Parquet; unchanged without them."""
-    data = pipeline.data
-    if data.source == "hf_dataset":
-        raise PipelineError(source, [("data.source: hf_dataset is for run, not yet for a "
-                                      "sweep; write its splits with Dataset.to_parquet and "
-                                      "use source parquet")])
-    if not _fit(pipeline, datasets, source):
-        return pipeline
-    folder = (Path(pipeline.run.output_dir).resolve() / "datasets"
-              / f"{pipeline.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
-    fields = {**data.model_dump(), "source": "parquet"}
-    for split, dataset in datasets.items():
-        written = str(write_parquet(dataset, folder / f"{split}.parquet", split))
-        if split == "validation":
-            fields["validation"] = {**fields["validation"], "path": written}
-        else:
-            fields[SPLITS[split]] = written
-    from raydp_train.config.data import ParquetData
-
-    parquet = ParquetData.model_validate(fields)
-    return pipeline.model_copy(update={"data": parquet})
-
-
-def _fit(pipeline: Pipeline, datasets: dict | None, source: str) -> bool:
-    """Whether `datasets` were given, after checking that they fit the pipeline."""
+def check_datasets(pipeline: Pipeline, datasets: dict | None,
+                   source: str = "<pipeline>") -> None:
+    """Before Ray starts: `datasets` fit the pipeline (run's or tune's). Refused by name:
+    datasets for a pipeline that reads files or its own hf_dataset splits, a ray_dataset
+    pipeline without them, no 'train', an unknown split, or not a ray.data.Dataset."""
+    if pipeline.data.source == "hf_dataset" and datasets is not None:
+        raise PipelineError(source, [("datasets: data.source hf_dataset reads its own "
+                                      "splits; pass datasets with source ray_dataset")])
     if datasets is None:
         require_rows(pipeline, source)
-        return False
+        return
     problems = _problems(pipeline.data, datasets)
     if problems:
         raise PipelineError(source, problems)
-    return True
 
 
 def require_rows(pipeline: Pipeline, source: str = "<pipeline>") -> None:
@@ -106,7 +79,8 @@ def require_rows(pipeline: Pipeline, source: str = "<pipeline>") -> None:
     if pipeline.data.source == "ray_dataset":
         raise PipelineError(source, [
             ("data.source: ray_dataset needs the rows: raydp_train.run(pipeline, datasets="
-             "{'train': ds, 'test': ds}); the command line reads files (parquet, csv, json)")])
+             "{'train': ds, 'test': ds}) or raydp_train.tune(...), given again to continue a run "
+             "or sweep; the command line reads files (parquet, csv, json)")])
 
 
 def _problems(data, datasets: dict) -> list[str]:
@@ -143,30 +117,3 @@ def _validation_problem(validation, given: bool) -> str | None:
         return ("data.validation: its rows are missing: pass datasets['validation'], or set "
                 "data.validation.fraction")
     return None
-
-
-def write_parquet(dataset, path: Path, split: str) -> Path:
-    """`dataset` as one Parquet file at `path`, written block by block; refused if empty."""
-    import pyarrow.parquet as pq
-    import ray
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    writer, rows = None, 0
-    try:
-        for reference in dataset.to_arrow_refs():
-            block = ray.get(reference)
-            if block.num_rows == 0:
-                continue
-            if writer is None:
-                writer = pq.ParquetWriter(partial, block.schema)
-            writer.write_table(block.cast(writer.schema))
-            rows += block.num_rows
-    finally:
-        if writer is not None:
-            writer.close()
-    if rows == 0:
-        partial.unlink(missing_ok=True)
-        raise PipelineError(f"datasets[{split!r}]", [f"datasets[{split!r}]: has no rows"])
-    partial.replace(path)
-    return path

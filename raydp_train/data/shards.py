@@ -76,6 +76,13 @@ def shard_ready(datasets: dict, pipeline, train_rows: int) -> dict[str, ray.data
             for name, dataset in datasets.items()}
 
 
+def one_worker_shards(datasets: dict, pipeline, train_rows: int) -> dict:
+    """Ray Datasets handed over, as ONE Ray Train worker's shards of them (every row, in
+    order): for a sweep's one-worker trial, trained in its own process (sweeps/trial.py)."""
+    return ShardEveryRow().configure(shard_ready(datasets, pipeline, train_rows), 1, None,
+                                     None)[0]
+
+
 def in_blocks(dataset: ray.data.Dataset, pipeline, rows: int) -> ray.data.Dataset:
     """The columns the pipeline reads, in blocks of `block_rows`, in order."""
     data = pipeline.data

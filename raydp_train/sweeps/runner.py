@@ -67,15 +67,18 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now, source: str = "<pi
     driver died is continued (sweeps/resume.py), unless `new`."""
 
     from raydp_train.budget.actor import open_budget
+    from raydp_train.data.ray_dataset_checks import portable
     from raydp_train.reports.run import new_run_dir
     from raydp_train.runs.reruns import DRIVER, driving
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our own progress lines, not Tune's
     config = pipeline.tune
     resumed = sweep_to_continue(pipeline, source, new)  # before Ray, and before any spending
-    connect()  # first: text data is tokenized by Ray Data
-    dataset, plan = check_pipeline(pipeline)
-    check_search_space(pipeline, plan)
+    # First: text data is tokenized by Ray Data. The splits of Ray Datasets (else None) are
+    # checked and counted here, once: every trial reads them as they are (sweeps/trial.py).
+    splits = connect()
+    dataset, plan = check_pipeline(pipeline, datasets=splits)
+    check_search_space(pipeline, plan, None if splits is None else dataset)
     refusal = "" if resumed else first_refusal(pipeline, plan)
     if refusal:  # a spent budget: no trial, no sweep directory, no best.yaml
         on_line(f"STOPPED before any trial: {refusal}")
@@ -90,14 +93,17 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now, source: str = "<pi
             on_line(f"continuing the unfinished sweep {directory} of this pipeline (its driver "
                     f"died; --new starts another): {closed} trial epochs cut short closed with "
                     "the steps they released; finished trials are not run again")
-        sweep = _sweep_in(directory, pipeline, plan, dataset, budget, on_line, resumed is not None)
+        rows = {} if splits is None else {"datasets": splits, "checked": portable(dataset)}
+        sweep = _sweep_in(directory, pipeline, plan, dataset, budget, on_line, resumed is not None,
+                          rows)
     (directory / DRIVER).unlink(missing_ok=True)  # ended (sweep.json): no driver to mark
     return sweep
 
 
 def _sweep_in(directory: Path, pipeline: Pipeline, plan, dataset, budget, on_line,
-              resumed: bool) -> SweepResult:
-    """Run (or continue) the sweep's trials in `directory` and write its outputs."""
+              resumed: bool, rows: dict) -> SweepResult:
+    """Run (or continue) the sweep's trials in `directory` and write its outputs; `rows`:
+    run_trial's Ray Datasets and their checked summary, if any."""
     config = pipeline.tune
     sweep_id = directory.name
     num_samples, trial_budget = config.num_samples, budget
@@ -118,7 +124,7 @@ def _sweep_in(directory: Path, pipeline: Pipeline, plan, dataset, budget, on_lin
                 f"{config.random_stopping.mean_trials:g}), reserved epsilon "
                 f"{decision.epsilon_after:.4f} for the whole sweep; only the best trial is "
                 "released (ARCHITECTURE.md §2.7)")
-    tuner = _tuner(pipeline, directory, trial_budget, num_samples, on_line, resumed)
+    tuner = _tuner(pipeline, directory, trial_budget, num_samples, on_line, resumed, rows)
     grid = tuner.fit() if num_samples > 0 else None
     trials = [_trial_row(result, config) for result in grid or []]
     best = _best(trials, config)
@@ -130,10 +136,11 @@ def _sweep_in(directory: Path, pipeline: Pipeline, plan, dataset, budget, on_lin
 
 
 def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, on_line,
-           resumed: bool = False):
+           resumed: bool = False, rows: dict | None = None):
     """Ray Tune's Tuner of the sweep: each trial `run_trial`, spending from `trial_budget`
     (None: the sweep's one reservation covers every trial); `resumed`: restored from the
-    sweep's folder, as its dead driver left it."""
+    sweep's folder, as its dead driver left it. `rows`: the Ray Datasets every trial reads
+    (with their summary), handed to each trial through the object store, never written."""
     from ray import tune
 
     from raydp_train.reports.trackers import tune_callbacks
@@ -141,7 +148,7 @@ def _tuner(pipeline: Pipeline, directory: Path, trial_budget, num_samples: int, 
     config = pipeline.tune
     trainable = ending_its_run(tune.with_parameters(
         run_trial, base=pipeline.model_dump(mode="json"), budget=trial_budget,
-        sweep_id=directory.name, directory=str(directory), resumed=resumed))
+        sweep_id=directory.name, directory=str(directory), resumed=resumed, **(rows or {})))
     # A trial that drives a Ray Train run needs little: its workers get their own placement group.
     cpus = 1 if pipeline.training.workers == 1 else 0.25
     trainable = tune.with_resources(trainable, {"cpu": cpus})

@@ -42,9 +42,11 @@ def ending_its_run(trainable):
 
 
 def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str,
-              resumed: bool = False) -> None:
+              resumed: bool = False, datasets: dict | None = None, checked=None) -> None:
     """One trial: the pipeline with `params` set, trained by the code `run` uses. `resumed`:
-    the sweep's driver died and this one continues it (sweeps/resume.py)."""
+    the sweep's driver died and this one continues it (sweeps/resume.py). `datasets`: the
+    sweep's splits as Ray Datasets, the same rows for every trial, read by its workers as
+    run's read them; `checked`: their summary, checked by the sweep's driver."""
     from ray import tune
 
     from raydp_train.train.charges import planned_charges
@@ -52,7 +54,11 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str,
 
     overrides = [f"{key}={value}" for key, value in params.items()]
     pipeline = pipeline_from_dict(base, overrides, source=f"trial {params}")
-    dataset, plan = check_pipeline(pipeline)
+    if checked is not None:  # Ray Datasets' summary, checked by the sweep's driver
+        from raydp_train.data.ray_dataset_checks import widened
+
+        checked = widened(checked)
+    dataset, plan = check_pipeline(pipeline, checked=checked)
     trial_id = tune.get_context().get_trial_id()
     owner = f"{sweep_id}/{trial_id}"
     continued = continued_state(pipeline.training, resumed)  # PBT: from a trial ahead's
@@ -66,12 +72,13 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str,
     to_tune = EpochsToTune(plan.epochs, pipeline.tune.scheduler == "pbt", continued)
     run_dir = _run_dir(Path(directory) / "train", trial_id, continued)
     if pipeline.training.workers == 1:
-        result = _train_here(pipeline, plan, dataset, run_dir, to_tune, budget, owner, ceiling)
+        result = _train_here(pipeline, plan, dataset, run_dir, to_tune, budget, owner, ceiling,
+                             datasets)
     else:
         to_tune.run_dir = run_dir
         RUNS_IN_THIS_PROCESS.append(to_tune.run_dir)
         result = fit(pipeline, plan, to_tune.run_dir, on_epoch=to_tune.report, budget=budget,
-                     owner=owner, dataset=dataset, ceiling=ceiling,
+                     owner=owner, dataset=dataset, ceiling=ceiling, ray_datasets=datasets,
                      concurrent_runs=pipeline.tune.max_concurrent_trials)
         if to_tune.stopped:  # by Tune (ASHA): nothing reads this trial's reports any more
             return
@@ -90,9 +97,10 @@ def run_trial(params: dict, base: dict, budget, sweep_id: str, directory: str,
 
 
 def _train_here(pipeline: Pipeline, plan, dataset, run_dir: Path, to_tune, budget, owner: str,
-                ceiling):
+                ceiling, datasets: dict | None = None):
     """A one-worker trial, in this process: its charges and checkpoints in `run_dir`, as a Ray
-    Train run keeps them, so that it continues from there after its sweep's driver died."""
+    Train run keeps them, so that it continues from there after its sweep's driver died.
+    `datasets`: read whole, as one Ray Train worker reads its shard (`dataset`: their shape)."""
     from raydp_train.train.charges import RunAccount, RunCharges, epsilon_cap
     from raydp_train.train.context import LocalContext
     from raydp_train.train.worker import train
@@ -101,11 +109,18 @@ def _train_here(pipeline: Pipeline, plan, dataset, run_dir: Path, to_tune, budge
     to_tune.own_checkpoints = run_dir
     account = RunAccount(RunCharges(str(run_dir)), budget, owner, plan,
                          epsilon_cap(pipeline, plan), ceiling)
+    shards, shape = None, None
+    if datasets is not None:
+        from raydp_train.data.shards import one_worker_shards
+
+        shards = one_worker_shards(datasets, pipeline, dataset.num_train)
+        shape = (dataset.feature_shape, dataset.num_classes)
     context = LocalContext(on_epoch=to_tune.report, account=account,
                            sharing=pipeline.tune.max_concurrent_trials,
-                           restored=_newest_state(run_dir), on_checkpoint=to_tune.report)
+                           restored=_newest_state(run_dir), on_checkpoint=to_tune.report,
+                           shards=shards)
     try:
-        return train(pipeline, plan, context, dataset=dataset)
+        return train(pipeline, plan, context, dataset=dataset, data_shape=shape)
     finally:
         account.record.close()
 

@@ -27,21 +27,23 @@ class LocalContext:
     """World size 1 in this process: no collectives, charges kept by `account` (in memory
     unless it has a record of its own; spent from the global budget when it has one). No
     checkpoints of its own: a sweep's trial starts from `restored` and hands each epoch's
-    state to `on_checkpoint` (its run folder, and Tune under PBT)."""
+    state to `on_checkpoint` (its run folder, and Tune under PBT). `shards`: the Ray Data
+    iterators of a sweep's Ray Datasets (data/shards.py one_worker_shards), or None."""
 
     rank, world_size = 0, 1
     node = "this process"
 
     def __init__(self, on_epoch=print, account: RunAccount | None = None, sharing: int = 1,
-                 restored: dict | None = None, on_checkpoint=None):
+                 restored: dict | None = None, on_checkpoint=None, shards: dict | None = None):
         self.on_epoch, self.on_checkpoint, self.restored = on_epoch, on_checkpoint, restored
+        self.shards = shards
         self.account = account or RunAccount(MemoryCharges())
         self.device = torch.device("cpu")
         self.sharing = sharing  # training processes on this machine (a sweep's trials)
 
     def dataset_shards(self) -> dict | None:
-        """No Ray Data shards: the loop reads its data itself."""
-        return None
+        """The Ray Data iterators it was given, else None: the loop reads its data itself."""
+        return self.shards
 
     def show_progress(self, row: dict) -> None:
         """In this process (a sweep's one-worker trial): its epochs are what Tune shows."""
