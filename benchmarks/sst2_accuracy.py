@@ -38,6 +38,8 @@ VARIANTS = {
     "lsg-eps8": ("sst2_minilm_lsg.yaml", EPS8, SEED1),
     "lora-eps3": ("sst2_minilm_lora.yaml", EPS3, SEEDS3),
     "lora-eps8": ("sst2_minilm_lora.yaml", EPS8, SEED1),
+    # DP-LoRA on a bf16 frozen base: seed 2 is lora-eps3's LoraLinear seed, its fp32 twin.
+    "lora-bf16-eps3": ("sst2_minilm_lora.yaml", [*EPS3, "model.frozen_dtype=bf16"], (2,)),
 }
 BEFORE = (
     "Before issue 15 (0.1.0's recipes: [CLS] pooler, last 2 layers + head, expected batch 256, "
