@@ -47,10 +47,11 @@ def _step(rows, batch_of, users_of=None, **settings) -> torch.Tensor:
     """The parameters after one seeded step (lr 1) on `batch_of(sampled rows)`."""
     model = _model()
     inputs, labels, users = _data()
-    with rt.PrivateStep(model, torch.optim.SGD(model.parameters(), lr=1.0), clip_norm=C,
-                        noise_multiplier=SIGMA, expected_batch_size=B, num_examples=USERS,
-                        delta=1e-3, seed=5, unit="user", rows_per_user=K,
-                        **settings) as private:
+    arguments = dict(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B,  # noqa: C408
+                     num_examples=USERS, delta=1e-3, seed=5, unit="user",
+                     rows_per_user=K) | settings
+    with rt.PrivateStep(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                        **arguments) as private:
         (x, y), ids = private.sample((inputs, labels), users=users)
         rows.extend(zip(x.tolist(), y.tolist(), ids.tolist(), strict=True))
         keep = batch_of(ids)
@@ -58,12 +59,12 @@ def _step(rows, batch_of, users_of=None, **settings) -> torch.Tensor:
     return _flat(model)
 
 
-def _naive_user_sum(model, x, y, ids, contribution="sum"):
+def _naive_user_sum(model, x, y, ids, contribution="sum", clip_norm=C):
     """sum over users of clip(sum, or mean, of the user's per-row gradients)."""
     grads = per_example_grads(model, _losses, x, y)
     reduce = (lambda g: g.sum(0)) if contribution == "sum" else (lambda g: g.mean(0))
     per_user = torch.stack([reduce(grads[ids == u]) for u in ids.unique()])
-    return clip_and_sum(per_user, C)
+    return clip_and_sum(per_user, clip_norm)
 
 
 def test_the_step_releases_the_naive_per_user_clipped_sum_and_one_noise_draw():
@@ -242,3 +243,26 @@ def test_two_workers_refuse_a_shared_user_and_spend_per_user(ray_session):
     event = dp_accounting.PoissonSampledDpEvent(B / USERS, dp_accounting.GaussianDpEvent(SIGMA))
     expected = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-3)
     assert answers["own"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_mean_per_user_step_releases_the_naive_clipped_means():
+    rows = []
+    everyone = lambda ids: torch.ones_like(ids, dtype=torch.bool)
+    mean = {"user_contribution": "mean", "clip_norm": 1.3}  # some users clipped, some not
+    with_data = _step(rows, everyone, **mean)
+    noise_only = _step([], lambda ids: torch.zeros_like(ids, dtype=torch.bool), **mean)
+    x = torch.tensor([r[0] for r in rows], dtype=torch.float64)
+    y, ids = torch.tensor([r[1] for r in rows]), torch.tensor([r[2] for r in rows])
+    expected, norms, _ = _naive_user_sum(_model(), x, y, ids, "mean", 1.3)
+    assert (norms > 1.3).any() and (norms < 1.3).any()
+    released = (noise_only - with_data) * B
+    assert torch.max(torch.abs(released - expected)) / expected.abs().max() < 1e-9
+    summed = (noise_only - _step([], everyone, clip_norm=1.3)) * B  # fails on the sum
+    assert torch.max(torch.abs(summed - expected)) / expected.abs().max() > 1e-3
+    for user in ids.unique().tolist():
+        without = _step([], lambda ids, user=user: ids != user, **mean)
+        assert ((with_data - without) * B).norm() <= 1.3 * (1 + 1e-9)
+    with pytest.raises(PrivateStepError, match="^PrivateStep user_contribution: must be one"):
+        _loop(user_contribution="median")
+    with pytest.raises(PrivateStepError, match="user_contribution: only with unit='user'"):
+        _loop(unit="example", rows_per_user=None, user_contribution="mean")

@@ -41,9 +41,13 @@ def _check_unit(p) -> None:
     than one clipped contribution a step (ARCHITECTURE.md §2.14)."""
     users = getattr(p.data, "user_column", None)
     if p.privacy.unit == "example":
-        if users is not None or p.privacy.rows_per_user is not None:
-            field = "data.user_column" if users is not None else "privacy.rows_per_user"
-            raise FieldProblem("only with privacy.unit: user (set it, or remove this)", field)
+        example_fields = {"data.user_column": users is not None,
+                          "privacy.rows_per_user": p.privacy.rows_per_user is not None,
+                          "privacy.user_contribution": p.privacy.user_contribution != "sum"}
+        for field, given in example_fields.items():
+            if given:
+                raise FieldProblem("only with privacy.unit: user (set it, or remove this)",
+                                   field)
         return
     problems = {
         "data.user_column": (users is None or p.data.source in ("ray_dataset", "hf_dataset"),

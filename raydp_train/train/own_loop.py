@@ -46,11 +46,11 @@ from raydp_train.train.own_loop_state import (
     check_saved,
     count_restored,
     new_parameters_to_optimizer,
+    plan_terms,
     release_record,
 )
 from raydp_train.train.own_loop_users import (
     LoopUsers,
-    check_budget_unit,
     check_unit,
     sample_users,
     step_micro_batches,
@@ -73,7 +73,7 @@ class PrivateStep:
     count; the budget opened with `rt.open_budget(..., unit="user")`), `sample(rows,
     users=ids)` takes each row's integer user id and returns (rows, ids) of the sampled users
     with at most `rows_per_user` rows each, and `step(*batch, users=ids)` clips each user's
-    summed gradient once. Each user's rows must live on one worker (checked on the first
+    summed gradient (`user_contribution="mean"`: their mean) once. Each user's rows must live on one worker (checked on the first
     step, with the count of users, before anything is reserved)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -87,7 +87,7 @@ class PrivateStep:
                  self_check: dict | None = None, other_layers: str = "per_example",
                  record_dir: str | None = None, clipping: str = "fixed",
                  adaptive: dict | None = None, unit: str = "example",
-                 rows_per_user: int | None = None):
+                 rows_per_user: int | None = None, user_contribution: str = "sum"):
         """`num_examples`: N of the WHOLE training set (every worker's shard); sigma is
         `noise_multiplier`, or calibrated so that `steps` steps spend `target_epsilon` (the
         loop may not pass it); `mechanism`: a private mechanism's name (dpsgd, lsg, lora), with `lsg`/`lora` the
@@ -101,9 +101,8 @@ class PrivateStep:
         rank 0 marks each release before it happens (default: the Ray Train run's storage,
         when local; outside Ray Train, nothing: a single process has no restart); `clipping`,
         `adaptive`: privacy.clipping and privacy.adaptive's fields (adaptive clipping);
-        `unit`, `rows_per_user`: privacy.unit's and its cap (the class docstring)."""
-        check_unit(unit, rows_per_user, max_physical_batch)
-        check_budget_unit(budget, unit)
+        `unit`, `rows_per_user`, `user_contribution`: privacy's (the class docstring)."""
+        by_user = check_unit(unit, rows_per_user, max_physical_batch, user_contribution, budget)
         check_numbers(clip_norm, noise_multiplier, target_epsilon, steps, expected_batch_size,
                       num_examples, delta, max_physical_batch)
         check_objects(model, optimizer, loss, steps_per_charge)
@@ -112,7 +111,7 @@ class PrivateStep:
             mechanism, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
             target_epsilon=target_epsilon, delta=delta, accountant=accountant, lsg=lsg,
             lora=lora, self_check=self_check, other_layers=other_layers, clipping=clipping,
-            adaptive=adaptive, unit=unit, rows_per_user=rows_per_user)
+            adaptive=adaptive, **by_user)
         self.world = LoopWorld()
         self.rank = self.world.rank
         rate = sampling_rate(expected_batch_size, num_examples)
@@ -123,7 +122,7 @@ class PrivateStep:
             raise PrivateStepError(f"adaptive: {problem}")  # before anything is reserved
         self.plan = PrivacyPlan(num_examples, expected_batch_size, rate, steps or 0, sigma,
                                 noise_multiplier is None, clip_norm, delta, accountant,
-                                mechanism=chosen, unit=unit, rows_per_user=rows_per_user)
+                                mechanism=chosen, **by_user)
         self.model, self.optimizer, self.loss, self.seed = model, optimizer, loss, seed
         self.max_physical_batch = max_physical_batch
         self.users = LoopUsers(rows_per_user, max_physical_batch) if unit == "user" else None
@@ -223,7 +222,7 @@ class PrivateStep:
         and optimizer, the steps taken and released, and the plan they were accounted by."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "steps_done": self.steps_done, "steps_released": self.steps_released,
-                "plan": self._plan_terms()}
+                "plan": plan_terms(self.plan)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (this loop's `state_dict()`, e.g. from a Ray Train
@@ -233,7 +232,7 @@ class PrivateStep:
         if self._taken:
             raise PrivateStepError("load_state_dict after step(): load the saved state right "
                                    "after building the PrivateStep, before its first step")
-        check_saved(state, self._plan_terms())
+        check_saved(state, plan_terms(self.plan))
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_done = self._granted = state["steps_done"]
@@ -254,13 +253,6 @@ class PrivateStep:
 
     def __exit__(self, *_) -> None:
         self.finish()
-
-    def _plan_terms(self) -> dict:
-        plan = self.plan
-        return {"mechanism": plan.mechanism.name, "num_examples": plan.num_examples,
-                "expected_batch_size": plan.expected_batch_size,
-                "noise_multiplier": plan.noise_multiplier, "clip_norm": plan.clip_norm,
-                "delta": plan.delta, "unit": plan.unit, "rows_per_user": plan.rows_per_user}
 
     def _epoch(self) -> int:
         """The epoch the next step is in (LSG's sparsity_start_epoch), from 1."""

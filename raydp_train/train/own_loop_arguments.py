@@ -85,8 +85,8 @@ def privacy_settings(mechanism: str, *, clip_norm: float, noise_multiplier: floa
                      target_epsilon: float | None, delta: float, accountant: str,
                      lsg: dict | None, lora: dict | None, self_check: dict | None,
                      other_layers: str, clipping: str = "fixed", adaptive: dict | None = None,
-                     unit: str = "example",
-                     rows_per_user: int | None = None) -> tuple[PrivacyConfig, type[Mechanism]]:
+                     unit: str = "example", rows_per_user: int | None = None,
+                     user_contribution: str = "sum") -> tuple[PrivacyConfig, type[Mechanism]]:
     """The settings as a pipeline's `privacy` section holds them, checked by its schema, and
     the registered mechanism class they name."""
     chosen = MECHANISMS.get(mechanism)
@@ -103,7 +103,8 @@ def privacy_settings(mechanism: str, *, clip_norm: float, noise_multiplier: floa
                   noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
                   accountant=accountant, other_layers=other_layers,
                   self_check=self_check or {}, lsg=lsg, lora=lora, clipping=clipping,
-                  adaptive=adaptive, unit=unit, rows_per_user=rows_per_user)
+                  adaptive=adaptive, unit=unit, rows_per_user=rows_per_user,
+                  user_contribution=user_contribution)
     try:
         return PrivacyConfig(**{k: v for k, v in fields.items() if v is not None}), chosen
     except ValidationError as error:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
+from raydp_train.privacy.user_clipping import CONTRIBUTIONS
 from raydp_train.privacy.user_sampling import (
     sample_user_rows,
     user_rows,
@@ -31,15 +32,28 @@ from raydp_train.train.own_loop_arguments import PrivateStepError
 UNITS = ("example", "user")
 
 
-def check_unit(unit: str, rows_per_user, max_physical_batch: int) -> None:
-    """The unit's arguments; one line for the first that is wrong."""
+def check_unit(unit: str, rows_per_user, max_physical_batch: int,
+               user_contribution: str = "sum", budget=None) -> dict:
+    """The unit's arguments, refused on one line for the first that is wrong (the budget's
+    unit too), as the privacy section's fields."""
+    _check_unit(unit, rows_per_user, max_physical_batch, user_contribution)
+    check_budget_unit(budget, unit)
+    return {"unit": unit, "rows_per_user": rows_per_user,
+            "user_contribution": user_contribution}
+
+
+def _check_unit(unit: str, rows_per_user, max_physical_batch: int,
+                user_contribution: str) -> None:
     if unit not in UNITS:
         raise PrivateStepError(f"unit: must be one of {', '.join(map(repr, UNITS))}, got "
                                f"{unit!r}")
+    if user_contribution not in CONTRIBUTIONS:
+        raise PrivateStepError(f"user_contribution: must be one of "
+                               f"{', '.join(map(repr, CONTRIBUTIONS))}, got {user_contribution!r}")
     if unit == "example":
-        if rows_per_user is not None:
-            raise PrivateStepError("rows_per_user: only with unit='user' (set it, or remove "
-                                   "rows_per_user)")
+        if rows_per_user is not None or user_contribution != "sum":
+            name = "rows_per_user" if rows_per_user is not None else "user_contribution"
+            raise PrivateStepError(f"{name}: only with unit='user' (set it, or remove {name})")
         return
     if not (isinstance(rows_per_user, int) and 1 <= rows_per_user <= max_physical_batch):
         raise PrivateStepError(
