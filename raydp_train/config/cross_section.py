@@ -62,10 +62,15 @@ def _check_unit(p) -> None:
         "data.test_path": (users is not None and getattr(p.data, "test_path", None) is None,
                            ("privacy.unit user: give the test rows a file of their own (a "
                            "train_fraction cut would split users' rows)")),
-        "data.validation": (p.data.validation is not None and (
-            p.data.validation.fraction is not None or p.data.validation.private),
-            ("not with privacy.unit user yet: a released validation count is per example; "
-            "use a public validation file (path, private: false)")),
+        "data.validation.fraction": (
+            p.data.validation is not None and p.data.validation.fraction is not None,
+            ("privacy.unit user: give the validation rows a file of their own (path, with "
+             "the user column): a fraction cut would split users' rows")),
+        "data.validation.noise_multiplier": (
+            p.data.validation is not None and p.data.validation.private
+            and p.data.validation.noise_multiplier is None,
+            ("privacy.unit user: a private validation file releases its accuracy per user "
+             "with noise; set it (or data.validation.private: false)")),
     }
     for field, (bad, message) in problems.items():
         if bad:
