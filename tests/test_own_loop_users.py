@@ -13,6 +13,7 @@ from ray import cloudpickle
 
 import raydp_train as rt
 from raydp_train.budget.actor import BudgetClient
+from raydp_train.privacy.rule_registry import UnsupportedLayerError
 from raydp_train.train.own_loop import PrivateStepError
 from raydp_train.train.own_loop_users import LoopUsers
 from tests.oracles import clip_and_sum, per_example_grads
@@ -266,3 +267,25 @@ def test_the_mean_per_user_step_releases_the_naive_clipped_means():
         _loop(user_contribution="median")
     with pytest.raises(PrivateStepError, match="user_contribution: only with unit='user'"):
         _loop(unit="example", rows_per_user=None, user_contribution="mean")
+
+
+@pytest.mark.parametrize(("mechanism", "settings"), [
+    ("lsg", {"lsg": {"rank": 2, "layers": ["0"]}}), ("lora", {"lora": {"rank": 2}})])
+def test_every_mechanism_clips_users_in_the_own_loop(mechanism, settings):
+    private = _loop(mechanism=mechanism, **settings)
+    assert private.clipper.unit == "user"
+    inputs, labels, users = _data()
+    for _ in range(2):
+        (x, y), ids = private.sample((inputs, labels), users=users)
+        private.step(x, y, users=ids)
+    private.finish()
+    assert private.epsilon() > 0 and private.steps_released == 2
+
+
+def test_a_layer_that_cannot_group_rows_is_refused_at_construction():
+    model = torch.nn.Sequential(torch.nn.Conv1d(1, 2, 3), torch.nn.Flatten(),
+                                torch.nn.Linear(6, 2))
+    with pytest.raises(UnsupportedLayerError, match=r"privacy.unit: user .*module '0' \(Conv1d\)"):
+        rt.PrivateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), clip_norm=C,
+                       noise_multiplier=SIGMA, expected_batch_size=B, num_examples=USERS,
+                       delta=1e-3, unit="user", rows_per_user=K, budget=RecordingBudget())
