@@ -59,12 +59,13 @@ def held_out_scores(model: nn.Module, features, labels: torch.Tensor, kind: Labe
     sensitivity 1 and its accounting stay those of a count per example, now per user."""
     if users is None:
         return held_out_sums(model, features, labels, kind, prefix)
+    outputs = torch.cat([out for out, _ in held_out_outputs(model, features, len(labels),
+                                                             prefix)])
     index = user_rows(users)
     shares = 0.0
-    for user in range(index.num_users):
+    for user in range(index.num_users):  # one forward pass above, each user's score here
         rows = index.rows[index.offsets[user]:index.offsets[user + 1]]
-        part = tuple(f[rows] for f in features) if isinstance(features, tuple) else features[rows]
-        count, seen = kind.released_count(held_out_sums(model, part, labels[rows], kind, prefix))
+        count, seen = kind.released_count(kind.score(outputs[rows], labels[rows]))
         shares += count / seen
     return [shares, float(index.num_users)] + [0.0] * (kind.sums - 2)
 
@@ -87,16 +88,24 @@ def accuracy(model: nn.Module, features, labels: torch.Tensor) -> float:
     return correct / max(rows, 1)
 
 
-@torch.no_grad()
 def held_out_sums(model: nn.Module, features, labels: torch.Tensor, kind: LabelKind,
                   prefix: FrozenPrefix | None = None) -> list[float]:
     """`kind`'s sums (for class ids: labels predicted, rows) over the rows; `features` are
     (tokens, cached prefix outputs) with a `prefix`, whose frozen layers then do not run
     again."""
+    sums = [0.0] * kind.sums
+    for logits, rows in held_out_outputs(model, features, len(labels), prefix):
+        batch = kind.score(logits, labels[rows])
+        sums = [total + value for total, value in zip(sums, batch, strict=True)]
+    return sums
+
+
+@torch.no_grad()
+def held_out_outputs(model: nn.Module, features, count: int, prefix: FrozenPrefix | None):
+    """(the model's outputs on the CPU, their rows) for the `count` rows, 1024 at a time."""
     model.eval()
     device = next(model.parameters()).device
-    sums = [0.0] * kind.sums
-    for start in range(0, len(labels), 1024):
+    for start in range(0, count, 1024):
         rows = slice(start, start + 1024)
         if prefix is None:
             logits = model(features[rows].to(device))
@@ -104,6 +113,4 @@ def held_out_sums(model: nn.Module, features, labels: torch.Tensor, kind: LabelK
             tokens, hidden = features
             with prefix.skipped(hidden[rows].to(device)):
                 logits = model(tokens[rows].to(device))
-        batch = kind.score(logits.cpu(), labels[rows])
-        sums = [total + value for total, value in zip(sums, batch, strict=True)]
-    return sums
+        yield logits.cpu(), rows
