@@ -221,10 +221,11 @@ def tune(pipeline: Pipeline, *, address: str | None = None, verbose: bool = Fals
 
 
 def open_budget(name: str, epsilon: float, delta: float, *, ledger: str | None = None,
-                accountant: str = "rdp"):
+                accountant: str = "rdp", unit: str = "example"):
     """The global budget `name` (made on first use, read back from its ledger after): a
-    handle to pass to `PrivateStep(budget=...)` in your own loop. Call it on the driver,
-    after `ray.init`; the terms are checked as a pipeline's `budget:` section's."""
+    handle to pass to `PrivateStep(budget=...)` in your own loop, counting epsilon per `unit`
+    ("example", or "user": privacy.unit). Call it on the driver, after `ray.init`; the terms
+    are checked as a pipeline's `budget:` section's."""
     from pydantic import ValidationError
 
     from raydp_train.budget.actor import open_budget as open_actor
@@ -233,12 +234,11 @@ def open_budget(name: str, epsilon: float, delta: float, *, ledger: str | None =
 
     terms = {"name": name, "epsilon": epsilon, "delta": delta, "accountant": accountant}
     try:
-        config = BudgetConfig.model_validate(terms | ({} if ledger is None else
-                                                      {"ledger": ledger}))
+        config = BudgetConfig.model_validate(terms | ({} if ledger is None else {"ledger": ledger}))
     except ValidationError as e:
         raise PipelineError("open_budget", [f"budget.{describe(err, BudgetConfig)}"
                                             for err in e.errors()]) from None
-    return open_actor(config)
+    return open_actor(config, unit)
 
 
 def _status(result) -> str:

@@ -33,6 +33,7 @@ RUN_ELSEWHERE = {
     "tune": "`raydp-train tune`: tests/test_budget_ray.py, tests/test_faults.py",
     "privacy.unit": "user: tests/test_user_level_ray.py (each mechanism on 2 workers)",
     "privacy.rows_per_user": "unit user only: tests/test_user_level_ray.py",
+    "privacy.user_contribution": "unit user only: tests/test_user_level.py (a local run)",
     "data.user_column": "unit user only: tests/test_user_level_ray.py",
     "data.sampler": "streaming: tests/test_streaming_sampler.py (2 workers; a file several "
                     "times the object store in the long mode)",

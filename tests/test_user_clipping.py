@@ -131,3 +131,50 @@ def test_the_engine_needs_user_ids_exactly_when_the_unit_is_user():
 def test_user_layout_pads_each_user_to_the_most_rows():
     layout = user_layout(torch.tensor([5, 3, 5, 5]))
     assert layout.tolist() == [[1, 4, 4], [0, 2, 3]]
+
+
+def naive_user_mean(model, ids, labels, users, clip_norm):
+    """sum over users of clip(mean of the user's per-row gradients), users in id order."""
+    rows = per_example_grads(model, losses_of, ids, labels)
+    per_user = torch.stack([rows[users == u].mean(0) for u in users.unique()])
+    return clip_and_sum(per_user, clip_norm)
+
+
+@pytest.mark.parametrize("hidden", [8, 200])  # mix: materialized, ghost
+def test_the_mean_per_user_is_the_naive_loop_of_clipped_means(hidden):
+    torch.manual_seed(3)
+    model = TokenModel(hidden).double()
+    ids, labels, users = batch()
+    _, norms, _ = naive_user_mean(model, ids, labels, users, None)
+    ordered = norms.sort().values  # C between two users' norms: some clipped, some not
+    clip_norm = ((ordered[1] + ordered[2]) / 2).item()
+    expected, norms, _ = naive_user_mean(model, ids, labels, users, clip_norm)
+    clipper = PerExampleClipper(model, clip_norm, unit="user", user_contribution="mean")
+    clipper.zero_grad()
+    stats = clipper.accumulate(losses_of, model, ids, labels, users=users)
+    got = engine_sum_in_parameter_order(model, clipper)
+    clipper.close()
+    assert torch.max(torch.abs(got - expected)) / torch.max(torch.abs(expected)) < 1e-9
+    torch.testing.assert_close(stats.norms, norms, rtol=1e-9, atol=0)
+    # Not the clipped sum: this test fails if the rows were summed.
+    summed, _, _ = naive_user_sum(model, ids, labels, users, clip_norm)
+    assert torch.max(torch.abs(summed - expected)) / torch.max(torch.abs(expected)) > 1e-3
+
+
+def test_removing_one_user_moves_the_mean_by_at_most_c():
+    torch.manual_seed(4)
+    model = TokenModel().double()
+    ids, labels, users = batch()
+    clip_norm = 1e-3
+
+    def release(keep):
+        clipper = PerExampleClipper(model, clip_norm, unit="user", user_contribution="mean")
+        clipper.zero_grad()
+        clipper.accumulate(losses_of, model, ids[keep], labels[keep], users=users[keep])
+        got = engine_sum_in_parameter_order(model, clipper)
+        clipper.close()
+        return got
+
+    full = release(torch.ones_like(users, dtype=torch.bool))
+    for user in users.unique():
+        assert (full - release(users != user)).norm() <= clip_norm * (1 + 1e-9)

@@ -22,6 +22,7 @@ from raydp_train.privacy.user_sampling import (
     user_rows,
     whole_user_micro_batches,
 )
+from raydp_train.reports.run import unit_words
 from raydp_train.train.context import LocalContext
 from raydp_train.train.plan import make_plan
 from raydp_train.train.samplers import MemorySampler
@@ -92,6 +93,8 @@ def test_the_user_column_is_checked_like_labels(tmp_path):
     ({"privacy": {"unit": "user", "noise_multiplier": 1.0, "rows_per_user": 64}},
      "privacy.rows_per_user"),
     ({"privacy": {"unit": "user", "noise_multiplier": 1.0}}, "privacy.rows_per_user"),
+    ({"privacy": {"unit": "example", "noise_multiplier": 1.0, "user_contribution": "mean"},
+      "data": {"source": "synthetic"}}, "privacy.user_contribution"),
 ])
 def test_the_pipeline_refuses_what_user_level_privacy_cannot_serve(tmp_path, change, field):
     raw = user_pipeline(tmp_path).model_dump(mode="json", exclude_none=True)
@@ -140,6 +143,22 @@ def test_a_user_level_run_trains_locally(tmp_path, mechanism):
     assert result.steps_done == plan.steps
     assert result.metrics[-1]["epsilon"] == pytest.approx(plan.epsilon())
     assert result.self_checks[0][0] >= 1  # the rows' self-check ran before the first release
+
+
+def test_a_mean_per_user_run_trains_and_says_so(tmp_path):
+    pipeline = user_pipeline(tmp_path, user_contribution="mean")
+    dataset = load_data(pipeline.data, 2)
+    plan = make_plan(pipeline, dataset.num_units)
+    assert plan.user_contribution == "mean"
+    clipper = plan.mechanism(pipeline.privacy, torch.Generator()).attach(
+        torch.nn.Linear(4, 2), 1.0)
+    assert clipper.contribution == "mean"  # the engine averages each user's rows
+    clipper.close()
+    result = train(pipeline, plan, LocalContext(on_epoch=lambda row: None), dataset.to_torch())
+    assert result.steps_done == plan.steps
+    privacy = {"unit": "user", "rows_per_user": 4, "user_contribution": "mean"}
+    assert unit_words(privacy) == "per user (all of a user's rows; at most 4 a step, their mean)"
+    assert unit_words(privacy | {"user_contribution": "sum"}).endswith("at most 4 a step)")
 
 
 def test_the_audit_plants_a_canary_user_clipped_once(tmp_path, monkeypatch):

@@ -59,12 +59,12 @@ def test_every_mechanism_runs_per_user_on_two_workers(ray_session, tmp_path, cap
 
 @pytest.mark.thorough
 def test_a_sweep_spends_per_user_from_a_per_user_budget(ray_session, tmp_path, capsys):
-    """Two trials per user, selected on a public validation file: each trial's charges are
-    per user, and the budget says so."""
+    """Two trials per user, selected on a private validation file released per user: each
+    trial's charges (steps and its noisy release) are per user, and the budget says so."""
     path = write_pipeline(tmp_path, "dpsgd")
     write_users_file(tmp_path / "dev.parquet", rows=60, seed=2)
     pipeline = yaml.safe_load(path.read_text())
-    pipeline["data"]["validation"] = {"path": "dev.parquet", "private": False}
+    pipeline["data"]["validation"] = {"path": "dev.parquet", "noise_multiplier": 5.0}
     pipeline["training"]["workers"] = 1
     pipeline["budget"]["name"] = "authors-sweep"
     pipeline["tune"] = {"num_samples": 2, "max_concurrent_trials": 1,
@@ -79,3 +79,4 @@ def test_a_sweep_spends_per_user_from_a_per_user_budget(ray_session, tmp_path, c
     status = json.loads(capsys.readouterr().out)
     users = len(set(pq.read_table(tmp_path / "train.parquet").column("author").to_pylist()))
     assert status["unit"] == "user" and status["steps_spent"] == 2 * (users // 10)
+    assert sum(owner["releases"] for owner in status["owners"].values()) == 2  # one a trial

@@ -39,6 +39,9 @@ def open_budget(config, unit: str = "example") -> BudgetClient:
     """Find or create the accountant of `config` (a pipeline's budget section) and check that
     its terms (its unit: privacy.unit) and ledger are the ones asked for. Call from the
     driver."""
+    if unit not in ("example", "user"):
+        raise BudgetError(f"unit: what a budget's epsilon protects, 'example' or 'user' "
+                          f"(privacy.unit), got {unit!r}")
     return _open(budget_terms(config, unit), as_uri(config.ledger), config.persist_across_jobs)
 
 
@@ -70,7 +73,7 @@ def _open(terms: BudgetTerms, ledger_root: str, detached: bool) -> BudgetClient:
         # Raised in the actor: show its message, not the remote traceback Ray wraps it in.
         raise getattr(error, "cause", error) from None
     _OPENED.append(actor)
-    return BudgetClient(terms.name)
+    return BudgetClient(terms.name, terms.unit)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class BudgetClient:
     """A handle for spending from a budget; pickles by name, so it travels to workers."""
 
     budget: str
+    unit: str = "example"  # what its epsilon protects (privacy.unit): a loop checks its own
 
     def reserve(self, owner: str, spend: Spend, request_id: str = "") -> Decision:
         """`request_id`: the caller's own id for this request, recorded before asking, so that

@@ -197,7 +197,8 @@ class _CanaryRuns:
             self.model = build_model(pipeline.model, (extra + 1,), dataset.num_classes)
         self.first_layer = next(m for m in self.model.modules() if isinstance(m, nn.Linear))
         self.initial_state = deepcopy(self.model.state_dict())
-        self.clipper = PerExampleClipper(self.model, plan.clip_norm, unit=plan.unit)
+        self.clipper = PerExampleClipper(self.model, plan.clip_norm, unit=plan.unit,
+                                         user_contribution=plan.user_contribution)
         self.watched = self.clipper.slots[self.first_layer]["weight"][0, extra]  # a view
         # The canary's gradient (M on the watched weight, 1 on the bias) clipped to norm C.
         self.signal = canary_input / math.hypot(canary_input, 1.0)

@@ -41,9 +41,13 @@ def _check_unit(p) -> None:
     than one clipped contribution a step (ARCHITECTURE.md §2.14)."""
     users = getattr(p.data, "user_column", None)
     if p.privacy.unit == "example":
-        if users is not None or p.privacy.rows_per_user is not None:
-            field = "data.user_column" if users is not None else "privacy.rows_per_user"
-            raise FieldProblem("only with privacy.unit: user (set it, or remove this)", field)
+        example_fields = {"data.user_column": users is not None,
+                          "privacy.rows_per_user": p.privacy.rows_per_user is not None,
+                          "privacy.user_contribution": p.privacy.user_contribution != "sum"}
+        for field, given in example_fields.items():
+            if given:
+                raise FieldProblem("only with privacy.unit: user (set it, or remove this)",
+                                   field)
         return
     problems = {
         "data.user_column": (users is None or p.data.source in ("ray_dataset", "hf_dataset"),
@@ -58,10 +62,15 @@ def _check_unit(p) -> None:
         "data.test_path": (users is not None and getattr(p.data, "test_path", None) is None,
                            ("privacy.unit user: give the test rows a file of their own (a "
                            "train_fraction cut would split users' rows)")),
-        "data.validation": (p.data.validation is not None and (
-            p.data.validation.fraction is not None or p.data.validation.private),
-            ("not with privacy.unit user yet: a released validation count is per example; "
-            "use a public validation file (path, private: false)")),
+        "data.validation.fraction": (
+            p.data.validation is not None and p.data.validation.fraction is not None,
+            ("privacy.unit user: give the validation rows a file of their own (path, with "
+             "the user column): a fraction cut would split users' rows")),
+        "data.validation.noise_multiplier": (
+            p.data.validation is not None and p.data.validation.private
+            and p.data.validation.noise_multiplier is None,
+            ("privacy.unit user: a private validation file releases its accuracy per user "
+             "with noise; set it (or data.validation.private: false)")),
     }
     for field, (bad, message) in problems.items():
         if bad:

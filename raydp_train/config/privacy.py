@@ -97,6 +97,9 @@ class PrivacyConfig(Section):
     # of a sampled user's rows, at most rows_per_user of them, summed and clipped once.
     unit: Literal["example", "user"] = "example"
     rows_per_user: int | None = Field(None, ge=1)  # the cap, with unit user (required there)
+    # With unit user, what each sampled user's ONE clipped vector is: the sum of its rows'
+    # gradients, or their mean (each row weighs 1/k, k its rows in the step); sensitivity C.
+    user_contribution: Literal["sum", "mean"] = "sum"
     adaptive: AdaptiveClippingConfig | None = None  # adaptive clipping's settings
 
     @model_validator(mode="after")

@@ -46,6 +46,9 @@ class Dataset:
     features_read: bool = True
     # Who wrote each training row (data.user_column: ids 0..N_users-1), or None.
     train_users: np.ndarray | None = None
+    # Who wrote each row of a PRIVATE validation file under privacy.unit user (its own ids):
+    # its accuracy is then released per user (train/evaluation.py), else None.
+    validation_users: np.ndarray | None = None
 
     @property
     def num_train(self) -> int:
@@ -64,14 +67,19 @@ class Dataset:
 
     def rows(self, rank: int, world_size: int) -> Dataset:
         """Every split's rows r with r mod world_size = rank: one worker's share
-        (ARCHITECTURE.md §2.10); with users, the training rows of the users u with
-        u mod world_size = rank, so that each user's rows live on one worker (§2.14)."""
+        (ARCHITECTURE.md §2.10); with users, the training (and private validation) rows of the
+        users u with u mod world_size = rank, so that each user's rows live on one worker
+        (§2.14)."""
         arrays = {name: None if value is None else value[rank::world_size]
                   for name, value in self._arrays().items()}
         if self.train_users is not None:
             mine = self.train_users % world_size == rank
             arrays.update({name: getattr(self, name)[mine]
                            for name in ("train_features", "train_labels", "train_users")})
+        if self.validation_users is not None:
+            mine = self.validation_users % world_size == rank
+            arrays.update({name: getattr(self, name)[mine] for name in (
+                "validation_features", "validation_labels", "validation_users")})
         return dataclasses.replace(self, **arrays)
 
     def _arrays(self) -> dict:
@@ -122,6 +130,9 @@ def load_data(config, num_classes: int | None = None, tokenizer: str | None = No
         _hold_out_validation(dataset, config.validation.fraction, config.random_state)
     if getattr(config, "user_column", None) is not None:
         dataset.train_users = read_users(Path(config.path), config.user_column, len(labels))
+        if validation is not None and config.validation.private:  # released per user
+            dataset.validation_users = read_users(Path(config.validation.path),
+                                                  config.user_column, len(validation[1]))
     return dataset
 
 

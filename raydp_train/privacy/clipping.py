@@ -74,18 +74,19 @@ class PerExampleClipper(LayerRecorder):
 
     def __init__(self, model: nn.Module, clip_norm: float, rules: dict | None = None,
                  other_layers: str = "per_example", stability: float | None = None,
-                 unit: str = "example", quantile=None):
+                 unit: str = "example", quantile=None, user_contribution: str = "sum"):
         """`rules` overrides the rule of chosen modules (LSG's low-rank carriers);
         `other_layers` (privacy.other_layers): a module with no rule takes the per-example
         path ("per_example") or is refused ("refuse"); `stability`: automatic clipping,
         c_i = C / (||g_i|| + stability), instead of min(1, C / ||g_i||); `unit`: "user"
-        clips each user's summed rows (user_clipping.py); `quantile`: adaptive clipping
-        (privacy/adaptive_clipping.py), whose C the step moves after each release."""
+        clips each user's summed (`user_contribution` "mean": mean) rows (user_clipping.py);
+        `quantile`: adaptive clipping (privacy/adaptive_clipping.py), whose C the step
+        moves after each release."""
         if not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         self.model = model
         self.clip_norm = float(clip_norm)
-        self.stability, self.quantile = stability, quantile
+        self.stability, self.quantile, self.contribution = stability, quantile, user_contribution
         refuse_batch_second(model)
         refuse_compiled(model)
         refuse_state_from_the_batch(model)
@@ -243,7 +244,7 @@ class PerExampleClipper(LayerRecorder):
     def _clip_and_sum(self, batch_size: int, users: Tensor | None = None) -> Tensor:
         used = self._used_layers(batch_size)
         if self.unit == "user" or users is not None:  # [B, ...] rows as [U, k, ...]
-            batch_size = group_by_user(used, self._calls, users, self.unit)
+            batch_size = group_by_user(used, self._calls, users, self.unit, self.contribution)
         # A forward under autocast (bf16) records bfloat16 tensors; the norms decide the clip
         # factors the privacy guarantee rests on, so they are computed in the parameters' dtype.
         cast_recorded([self._calls[module] for _, module, _ in used], self.flat_grad.dtype)

@@ -86,7 +86,8 @@ class Mechanism:
 
         return PerExampleClipper(model, clip_norm, other_layers=self.other_layers,
                                  stability=self.stability, unit=self.unit,
-                                 quantile=self.quantile(clip_norm))
+                                 quantile=self.quantile(clip_norm),
+                                 user_contribution=self.user_contribution)
 
     @property
     def stability(self) -> float | None:
@@ -116,6 +117,11 @@ class Mechanism:
     def unit(self) -> str:
         """privacy.unit: what one clipped contribution is, an example or a user (§2.14)."""
         return getattr(self.privacy, "unit", "example")
+
+    @property
+    def user_contribution(self) -> str:
+        """privacy.user_contribution: a user's clipped vector is its rows' sum or mean."""
+        return getattr(self.privacy, "user_contribution", "sum")
 
     def refresh(self, step: int, epoch: int, force: bool = False) -> None:
         """Re-derive state that depends on the weights (every step, or when forced after a
@@ -168,8 +174,8 @@ class LowRankSparse(Mechanism):
         self.lsg = LowRankSparseGradients(model, self.privacy.lsg, self.generator)
         engine = PerExampleClipper(model, clip_norm, rules=self.lsg.rules,
                                    other_layers=self.other_layers, stability=self.stability,
-                                   unit=self.unit,
-                                   quantile=self.quantile(clip_norm))
+                                   unit=self.unit, quantile=self.quantile(clip_norm),
+                                   user_contribution=self.user_contribution)
         self.lsg.bind(engine.slots, engine.flat_grad)
         return engine
 

@@ -6,6 +6,9 @@ of the gradients of its rows R_u in the micro-batch (at most `privacy.rows_per_u
     g_u  = sum_{r in R_u} g_r                 ||g_u|| over ALL trained parameters jointly
     sum  = sum_u g_u min(1, C / ||g_u||)
 
+or, with `privacy.user_contribution: mean`, g_u = (1/|R_u|) sum_{r in R_u} g_r (each row's
+output gradient weighed by 1/|R_u|); either way one user moves the sum by at most C.
+
 The norm of a sum is not the sum of the rows' norms. It is, for a Linear layer,
 ||sum_r G_r^T a_r||^2 = sum_{r,r'} <a_r a_r'^T, G_r G_r'^T>: the ghost norm of ONE example
 whose tokens are the user's rows' tokens, one after the other. So the recorded inputs and
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 from raydp_train.privacy.rule_registry import LayerCalls, Rule, UnsupportedLayerError
 
 UNITS = ("example", "user")
+CONTRIBUTIONS = ("sum", "mean")  # privacy.user_contribution: a user's rows summed or averaged
 
 
 def check_groupable(layers: list, unit: str = "user") -> str:
@@ -68,24 +72,34 @@ def user_layout(users: Tensor) -> Tensor:
 
 
 def group_by_user(used: list, calls: dict[nn.Module, LayerCalls], users: Tensor | None,
-                  unit: str) -> int:
+                  unit: str, contribution: str = "sum") -> int:
     """Regroup every used module's recorded calls from rows [B, ...] to users [U, k, ...] in
     place; returns U. A tensor several modules read (Q, K, V) is regrouped once, so they still
-    share its Gram matrix."""
+    share its Gram matrix. `contribution` "mean": each row's output gradient is weighed by
+    1/k_u (k_u: its user's rows here); every parameter's gradient is linear in its layer's
+    output gradient, so each user's gradient becomes its rows' mean, which is then clipped."""
+    if contribution not in CONTRIBUTIONS:
+        raise ValueError(f"privacy.user_contribution must be one of {CONTRIBUTIONS}, got "
+                         f"{contribution!r}")
     if (users is None) != (unit == "example"):
         raise ValueError(f"privacy.unit {unit}: the engine needs the rows' user ids exactly "
                          "when the unit is user")
     check_groupable(used)
     layout = user_layout(users.to(torch.int64))
     regrouped: dict[tuple, Tensor] = {}
+    rows = (layout < users.shape[0]).sum(1)  # k_u: each user's rows here, [U]
 
-    def by_user(x: Tensor | None) -> Tensor | None:
+    def by_user(x: Tensor | None, weighed: bool = False) -> Tensor | None:
         if x is None:
             return None
-        key = (x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+        weighed = weighed and contribution == "mean"
+        key = (x.data_ptr(), x.dtype, tuple(x.shape), x.stride(), weighed)
         if key not in regrouped:
             padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
             regrouped[key] = padded[layout.to(x.device)]
+            if weighed:  # [U, k, ...] times 1/k_u (the padding rows are zeros already)
+                scale = 1.0 / rows.to(x.device, x.dtype)  # in x's dtype: 1/3 exact to it
+                regrouped[key] = regrouped[key] * scale.view(-1, 1, *[1] * (x.dim() - 1))
         return regrouped[key]
 
     for _, module, _ in used:
@@ -94,7 +108,7 @@ def group_by_user(used: list, calls: dict[nn.Module, LayerCalls], users: Tensor 
             raise ValueError(f"privacy.unit: user: {users.shape[0]} user ids for a micro-batch "
                              f"whose layer inputs have {recorded.inputs[0].shape[0]} rows")
         recorded.inputs = [by_user(x) for x in recorded.inputs]
-        recorded.output_grads = [by_user(g) for g in recorded.output_grads]
+        recorded.output_grads = [by_user(g, weighed=True) for g in recorded.output_grads]
         recorded.input_versions = [x._version for x in recorded.inputs]
     return layout.shape[0]
 

@@ -66,6 +66,8 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         # step using at most rows_per_user of them (ARCHITECTURE.md §2.14).
         "unit": plan.unit,
         "rows_per_user": plan.rows_per_user,
+        # With unit user: each user's ONE clipped vector is its rows' gradient sum or mean.
+        "user_contribution": plan.user_contribution if plan.unit == "user" else None,
         "validation_releases": releases,  # noisy counts of correct validation predictions
         "release_noise_multiplier": plan.release_noise_multiplier,
         "workers": workers,
@@ -95,7 +97,9 @@ def unit_words(privacy: dict) -> str:
     """Whom the guarantee protects: "per example", or "per user (at most k rows a step)"."""
     if privacy.get("unit", "example") == "example":
         return "per example"
-    return f"per user (all of a user's rows; at most {privacy['rows_per_user']} a step)"
+    mean = ", their mean" if privacy.get("user_contribution") == "mean" else ""
+    return (f"per user (all of a user's rows; at most {privacy['rows_per_user']} a "
+            f"step{mean})")
 
 
 def training_statement(pipeline: Pipeline, result) -> dict:

@@ -13,6 +13,7 @@ from raydp_train.data.targets import LABEL_KINDS, LabelKind
 from raydp_train.models.custom import training_loss
 from raydp_train.models.hf_prefix import FrozenPrefix, cached_prefix_loss
 from raydp_train.privacy.noise import fill_gaussian_noise_
+from raydp_train.privacy.user_sampling import user_rows
 
 
 def test_baselines(local: Dataset, kind: LabelKind, context) -> dict[str, float]:
@@ -32,18 +33,41 @@ def frozen_prefix_cache(training, model_config, model: nn.Module, local: Dataset
     the test and validation rows' too, so each epoch's scoring runs only the trained top."""
     splits = {"test": (local.test_features, local.test_labels),
               "validation": (local.validation_features, local.validation_labels)}
+    users = {"validation": local.validation_users}  # private per user: shares, not counts
     if not training.cache_frozen_prefix:
         return (training_loss(model_config, kind), None,
-                lambda model, split: held_out_sums(model, *splits[split], kind))
+                lambda model, split: held_out_scores(model, *splits[split], kind,
+                                                     users.get(split)))
     prefix = FrozenPrefix(model)
     hidden = {split: prefix.outputs(model, features)
               for split, (features, _) in splits.items() if features is not None}
 
     def score(model: nn.Module, split: str) -> list[float]:
         features, labels = splits[split]
-        return held_out_sums(model, (features, hidden[split]), labels, kind, prefix)
+        return held_out_scores(model, (features, hidden[split]), labels, kind,
+                               users.get(split), prefix)
 
     return cached_prefix_loss(prefix), prefix.outputs(model, local.train_features), score
+
+
+def held_out_scores(model: nn.Module, features, labels: torch.Tensor, kind: LabelKind,
+                    users: torch.Tensor | None, prefix: FrozenPrefix | None = None) -> list:
+    """`kind`'s sums over the rows; with `users` (a private validation file under
+    privacy.unit user, ARCHITECTURE.md §2.14) the released count per user instead:
+    [sum over users of the share of its rows counted right, users, 0, ...]. Each share lies
+    in [0, 1], so adding or removing a whole user moves the sum by at most 1: the release's
+    sensitivity 1 and its accounting stay those of a count per example, now per user."""
+    if users is None:
+        return held_out_sums(model, features, labels, kind, prefix)
+    outputs = torch.cat([out for out, _ in held_out_outputs(model, features, len(labels),
+                                                             prefix)])
+    index = user_rows(users)
+    shares = 0.0
+    for user in range(index.num_users):  # one forward pass above, each user's score here
+        rows = index.rows[index.offsets[user]:index.offsets[user + 1]]
+        count, seen = kind.released_count(kind.score(outputs[rows], labels[rows]))
+        shares += count / seen
+    return [shares, float(index.num_users)] + [0.0] * (kind.sums - 2)
 
 
 def released_accuracy(correct: int, rows: int, release_noise_multiplier: float,
@@ -64,16 +88,24 @@ def accuracy(model: nn.Module, features, labels: torch.Tensor) -> float:
     return correct / max(rows, 1)
 
 
-@torch.no_grad()
 def held_out_sums(model: nn.Module, features, labels: torch.Tensor, kind: LabelKind,
                   prefix: FrozenPrefix | None = None) -> list[float]:
     """`kind`'s sums (for class ids: labels predicted, rows) over the rows; `features` are
     (tokens, cached prefix outputs) with a `prefix`, whose frozen layers then do not run
     again."""
+    sums = [0.0] * kind.sums
+    for logits, rows in held_out_outputs(model, features, len(labels), prefix):
+        batch = kind.score(logits, labels[rows])
+        sums = [total + value for total, value in zip(sums, batch, strict=True)]
+    return sums
+
+
+@torch.no_grad()
+def held_out_outputs(model: nn.Module, features, count: int, prefix: FrozenPrefix | None):
+    """(the model's outputs on the CPU, their rows) for the `count` rows, 1024 at a time."""
     model.eval()
     device = next(model.parameters()).device
-    sums = [0.0] * kind.sums
-    for start in range(0, len(labels), 1024):
+    for start in range(0, count, 1024):
         rows = slice(start, start + 1024)
         if prefix is None:
             logits = model(features[rows].to(device))
@@ -81,6 +113,4 @@ def held_out_sums(model: nn.Module, features, labels: torch.Tensor, kind: LabelK
             tokens, hidden = features
             with prefix.skipped(hidden[rows].to(device)):
                 logits = model(tokens[rows].to(device))
-        batch = kind.score(logits.cpu(), labels[rows])
-        sums = [total + value for total, value in zip(sums, batch, strict=True)]
-    return sums
+        yield logits.cpu(), rows

@@ -36,7 +36,7 @@ from raydp_train.train.charges import Charged, ChargeRefused, RunAccount
 from raydp_train.train.engine_checks import EngineChecks
 from raydp_train.train.own_loop_arguments import (
     PrivateStepError,
-    calibrated_sigma,
+    calibrated_on_rank_0,
     check_noise,
     check_numbers,
     check_objects,
@@ -46,7 +46,14 @@ from raydp_train.train.own_loop_state import (
     check_saved,
     count_restored,
     new_parameters_to_optimizer,
+    plan_terms,
     release_record,
+)
+from raydp_train.train.own_loop_users import (
+    LoopUsers,
+    check_unit,
+    sample_users,
+    step_micro_batches,
 )
 from raydp_train.train.own_loop_world import LoopWorld
 from raydp_train.train.plan import PrivacyPlan
@@ -60,6 +67,15 @@ class BudgetExhausted(ChargeRefused):
 
 
 class PrivateStep:
+    """The private step of one worker (the module docstring). Per user (`unit="user"`, the
+    privacy unit a person with all of their rows, ARCHITECTURE.md §2.14): `num_examples` and
+    `expected_batch_size` count USERS (q = B / N users, what `epsilon()` and the budget
+    count; the budget opened with `rt.open_budget(..., unit="user")`), `sample(rows,
+    users=ids)` takes each row's integer user id and returns (rows, ids) of the sampled users
+    with at most `rows_per_user` rows each, and `step(*batch, users=ids)` clips each user's
+    summed gradient (`user_contribution="mean"`: their mean) once. Each user's rows must live on one worker (checked on the first
+    step, with the count of users, before anything is reserved)."""
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  clip_norm: float, expected_batch_size: int, num_examples: int, delta: float,
                  noise_multiplier: float | None = None, target_epsilon: float | None = None,
@@ -70,7 +86,8 @@ class PrivateStep:
                  max_physical_batch: int = 256, seed: int | None = None,
                  self_check: dict | None = None, other_layers: str = "per_example",
                  record_dir: str | None = None, clipping: str = "fixed",
-                 adaptive: dict | None = None):
+                 adaptive: dict | None = None, unit: str = "example",
+                 rows_per_user: int | None = None, user_contribution: str = "sum"):
         """`num_examples`: N of the WHOLE training set (every worker's shard); sigma is
         `noise_multiplier`, or calibrated so that `steps` steps spend `target_epsilon` (the
         loop may not pass it); `mechanism`: a private mechanism's name (dpsgd, lsg, lora), with `lsg`/`lora` the
@@ -83,7 +100,9 @@ class PrivateStep:
         privacy.self_check's fields; `other_layers`: privacy.other_layers; `record_dir`: where
         rank 0 marks each release before it happens (default: the Ray Train run's storage,
         when local; outside Ray Train, nothing: a single process has no restart); `clipping`,
-        `adaptive`: privacy.clipping and privacy.adaptive's fields (adaptive clipping)."""
+        `adaptive`: privacy.clipping and privacy.adaptive's fields (adaptive clipping);
+        `unit`, `rows_per_user`, `user_contribution`: privacy's (the class docstring)."""
+        by_user = check_unit(unit, rows_per_user, max_physical_batch, user_contribution, budget)
         check_numbers(clip_norm, noise_multiplier, target_epsilon, steps, expected_batch_size,
                       num_examples, delta, max_physical_batch)
         check_objects(model, optimizer, loss, steps_per_charge)
@@ -92,20 +111,21 @@ class PrivateStep:
             mechanism, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
             target_epsilon=target_epsilon, delta=delta, accountant=accountant, lsg=lsg,
             lora=lora, self_check=self_check, other_layers=other_layers, clipping=clipping,
-            adaptive=adaptive)
+            adaptive=adaptive, **by_user)
         self.world = LoopWorld()
         self.rank = self.world.rank
         rate = sampling_rate(expected_batch_size, num_examples)
-        sigma = noise_multiplier or self._calibrated(target_epsilon, delta, rate, steps,
-                                                     accountant)
+        sigma = noise_multiplier or calibrated_on_rank_0(self.world, target_epsilon, delta,
+                                                         rate, steps, accountant)
         if privacy.clipping == "adaptive" and (problem := count_noise_problem(
                 sigma, privacy.adaptive.count_noise, expected_batch_size)):
             raise PrivateStepError(f"adaptive: {problem}")  # before anything is reserved
         self.plan = PrivacyPlan(num_examples, expected_batch_size, rate, steps or 0, sigma,
                                 noise_multiplier is None, clip_norm, delta, accountant,
-                                mechanism=chosen)
+                                mechanism=chosen, **by_user)
         self.model, self.optimizer, self.loss, self.seed = model, optimizer, loss, seed
         self.max_physical_batch = max_physical_batch
+        self.users = LoopUsers(rows_per_user, max_physical_batch) if unit == "user" else None
         self.steps_per_charge = steps_per_charge or max(1, num_examples // expected_batch_size)
         self.account = RunAccount(release_record(self.rank, record_dir), budget, owner,
                                   self.plan, epsilon_cap=target_epsilon)
@@ -150,28 +170,36 @@ class PrivateStep:
         of batches (tensors, tuples or dicts of tensors), to `sample` from every step."""
         return rows_.load_rows(source)
 
-    def sample(self, rows):
+    def sample(self, rows, users: Tensor | None = None):
         """This worker's part of the next logical batch: each of its rows joins independently
         with probability q = B / N (may be none). `rows`: a count (the indices come back) or
         the rows themselves (a tensor, tuple or dict; the sampled rows come back, laid out
-        alike)."""
+        alike). With unit="user", `users` holds each row's user id and (rows, their users)
+        come back: each of this worker's users joins with probability q, with up to
+        rows_per_user of its rows drawn at random."""
         count = rows if isinstance(rows, int) else rows_.row_count(rows, "sample")
+        if self.users is not None or users is not None:
+            return sample_users(self.users, rows, count, users, self.plan.sampling_rate,
+                                self._sampler())
         indices = poisson_sample(count, self.plan.sampling_rate, self._sampler())
         return indices if isinstance(rows, int) else rows_.take(rows, indices)
 
-    def step(self, *batch) -> float:
+    def step(self, *batch, users: Tensor | None = None) -> float:
         """One private step on this worker's sampled rows (empty is fine): per-example
         clipping, the one noise draw (rank 0), the all-reduce, / B, optimizer.step().
         `batch` is what `loss(model, *batch)` takes: (features, labels), (inputs..., labels),
-        or one dict. Reserves the next steps first when those granted are used up. Returns
-        the rows' summed loss (local, not released)."""
+        or one dict; with unit="user", `users`: the rows' user ids as `sample` gave them.
+        Reserves the next steps first when those granted are used up. Returns the rows'
+        summed loss (local, not released)."""
         if self._finished:
             raise PrivateStepError("step after finish(): its reserved steps were settled and "
                                    "its engine detached; make a new PrivateStep")
         rows_.row_count(batch[0] if len(batch) == 1 else batch, "step")
         if self.loss is rows_.inputs_then_labels:
             rows_.check_default_loss(batch)
-        layout, micro_batches = rows_.flat_micro_batches(batch, self.max_physical_batch)
+        layout, micro_batches = step_micro_batches(self.users, batch, users,
+                                                   self.max_physical_batch, self.world,
+                                                   self.plan.num_examples)
         if self.steps_done == self._granted:
             self._reserve()
         self.mechanism.refresh(self.steps_done, self._epoch())
@@ -194,7 +222,7 @@ class PrivateStep:
         and optimizer, the steps taken and released, and the plan they were accounted by."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "steps_done": self.steps_done, "steps_released": self.steps_released,
-                "plan": self._plan_terms()}
+                "plan": plan_terms(self.plan)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (this loop's `state_dict()`, e.g. from a Ray Train
@@ -204,7 +232,7 @@ class PrivateStep:
         if self._taken:
             raise PrivateStepError("load_state_dict after step(): load the saved state right "
                                    "after building the PrivateStep, before its first step")
-        check_saved(state, self._plan_terms())
+        check_saved(state, plan_terms(self.plan))
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_done = self._granted = state["steps_done"]
@@ -226,13 +254,6 @@ class PrivateStep:
     def __exit__(self, *_) -> None:
         self.finish()
 
-    def _plan_terms(self) -> dict:
-        plan = self.plan
-        return {"mechanism": plan.mechanism.name, "num_examples": plan.num_examples,
-                "expected_batch_size": plan.expected_batch_size,
-                "noise_multiplier": plan.noise_multiplier, "clip_norm": plan.clip_norm,
-                "delta": plan.delta}
-
     def _epoch(self) -> int:
         """The epoch the next step is in (LSG's sparsity_start_epoch), from 1."""
         return 1 + self.steps_done * self.plan.expected_batch_size // self.plan.num_examples
@@ -244,19 +265,6 @@ class PrivateStep:
             return self._sampling
         return self._sampling.manual_seed(
             self.seed + 1 + self.rank + self.world.size * self.steps_done)
-
-    def _calibrated(self, target_epsilon, delta, rate, steps, accountant) -> float:
-        """Rank 0 calibrates (dp-accounting), every rank gets its sigma or its refusal."""
-        answer = None
-        if self.rank == 0:
-            try:
-                answer = calibrated_sigma(target_epsilon, delta, rate, steps, accountant)
-            except PrivateStepError as error:
-                answer = str(error)
-        answer = self.world.from_rank_0(answer)
-        if isinstance(answer, str):
-            raise PrivateStepError(answer.removeprefix("PrivateStep "))
-        return answer
 
     def _reserve(self) -> None:
         """Rank 0 settles the used chunk and reserves the next; every rank obeys its answer

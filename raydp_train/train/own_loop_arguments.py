@@ -84,8 +84,9 @@ def check_noise(noise: str, seed: int | None) -> None:
 def privacy_settings(mechanism: str, *, clip_norm: float, noise_multiplier: float | None,
                      target_epsilon: float | None, delta: float, accountant: str,
                      lsg: dict | None, lora: dict | None, self_check: dict | None,
-                     other_layers: str, clipping: str = "fixed",
-                     adaptive: dict | None = None) -> tuple[PrivacyConfig, type[Mechanism]]:
+                     other_layers: str, clipping: str = "fixed", adaptive: dict | None = None,
+                     unit: str = "example", rows_per_user: int | None = None,
+                     user_contribution: str = "sum") -> tuple[PrivacyConfig, type[Mechanism]]:
     """The settings as a pipeline's `privacy` section holds them, checked by its schema, and
     the registered mechanism class they name."""
     chosen = MECHANISMS.get(mechanism)
@@ -102,7 +103,8 @@ def privacy_settings(mechanism: str, *, clip_norm: float, noise_multiplier: floa
                   noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
                   accountant=accountant, other_layers=other_layers,
                   self_check=self_check or {}, lsg=lsg, lora=lora, clipping=clipping,
-                  adaptive=adaptive)
+                  adaptive=adaptive, unit=unit, rows_per_user=rows_per_user,
+                  user_contribution=user_contribution)
     try:
         return PrivacyConfig(**{k: v for k, v in fields.items() if v is not None}), chosen
     except ValidationError as error:
@@ -119,3 +121,18 @@ def calibrated_sigma(target_epsilon: float, delta: float, sampling_rate: float, 
     except ValueError as error:
         raise PrivateStepError(f"target_epsilon: {error}") from None
 
+
+
+def calibrated_on_rank_0(world, target_epsilon: float, delta: float, sampling_rate: float,
+                         steps: int, accountant: str) -> float:
+    """Rank 0 calibrates (dp-accounting), every rank gets its sigma or its refusal."""
+    answer = None
+    if world.rank == 0:
+        try:
+            answer = calibrated_sigma(target_epsilon, delta, sampling_rate, steps, accountant)
+        except PrivateStepError as error:
+            answer = str(error)
+    answer = world.from_rank_0(answer)
+    if isinstance(answer, str):
+        raise PrivateStepError(answer.removeprefix("PrivateStep "))
+    return answer

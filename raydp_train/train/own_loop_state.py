@@ -49,13 +49,26 @@ def count_restored(account: RunAccount, released: Charged) -> None:
         account.record = MemoryCharges(max(account.record.total(), released))
 
 
+# A state saved before a term was kept holds the loop that had it at its default.
+UNSAVED_TERMS = {"unit": "example", "rows_per_user": None, "user_contribution": "sum"}
+
+
+def plan_terms(plan) -> dict:
+    """What a saved state must agree on with the loop that loads it."""
+    return {"mechanism": plan.mechanism.name, "num_examples": plan.num_examples,
+            "expected_batch_size": plan.expected_batch_size,
+            "noise_multiplier": plan.noise_multiplier, "clip_norm": plan.clip_norm,
+            "delta": plan.delta, "unit": plan.unit, "rows_per_user": plan.rows_per_user,
+            "user_contribution": plan.user_contribution}
+
+
 def check_saved(state: dict, terms: dict) -> None:
     """Refuse a saved state of another loop by the first argument that differs."""
     if not isinstance(state, dict) or not {"plan", "steps_done", "steps_released"} <= set(state):
         raise PrivateStepError("load_state_dict: not a PrivateStep.state_dict() (it needs "
                                "plan, steps_done and steps_released)")
     for name, value in terms.items():
-        saved = state["plan"].get(name)
+        saved = state["plan"].get(name, UNSAVED_TERMS.get(name))
         if saved != value:
             raise PrivateStepError(
                 f"load_state_dict: {name} is {value!r} here and {saved!r} in the saved state; "

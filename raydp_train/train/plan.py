@@ -46,6 +46,7 @@ class PrivacyPlan:
     # bringing at most rows_per_user rows to a step.
     unit: str = "example"
     rows_per_user: int | None = None
+    user_contribution: str = "sum"  # a user's rows' gradients summed or averaged, then clipped
 
     def __post_init__(self) -> None:
         if not (isinstance(self.mechanism, type) and issubclass(self.mechanism, Mechanism)):
@@ -144,5 +145,6 @@ def make_plan(pipeline, num_examples: int) -> PrivacyPlan:
         task=task_of(pipeline),
         unit=unit,
         rows_per_user=getattr(privacy, "rows_per_user", None),
+        user_contribution=getattr(privacy, "user_contribution", "sum"),
     )
 
