@@ -102,23 +102,31 @@ def test_a_saved_dataset_trains_as_the_same_rows_in_parquet(ray_session, tmp_pat
 SST2 = "/work/shared/data/sst2"
 
 
-def cache_by_name(tmp_path, monkeypatch, name: str, splits: dict[str, pa.Table]) -> None:
+def cache_by_name(tmp_path, monkeypatch, name: str,
+                  configs: dict[str, dict[str, pa.Table]]) -> None:
     """Leave `name` ("owner/set") in a fresh Hugging Face cache, offline from here on, as an
-    online `load_dataset(name)` of a Parquet repository leaves it: the builder's Arrow files and
-    dataset_info.json under <cache>/owner___set/default/0.0.0/<hash>/ (datasets' layout)."""
+    online `load_dataset(name, config)` of a Parquet repository leaves it: the builder's Arrow
+    files and dataset_info.json under <cache>/owner___set/<config>/0.0.0/<hash>/ (datasets'
+    layout), each config's splits declared in the repository card as the Hub's are."""
     owner, set_name = name.split("/")
     source = tmp_path / "hub-copy" / set_name  # the repository's files, as a folder
-    source.mkdir(parents=True)
-    for split, table in splits.items():
-        pq.write_table(table, source / f"{split}.parquet")
+    card = ["---", "configs:"]
+    for config, splits in configs.items():
+        (source / config).mkdir(parents=True)
+        card += [f"- config_name: {config}", "  data_files:"]
+        for split, table in splits.items():
+            pq.write_table(table, source / config / f"{split}.parquet")
+            card += [f"  - split: {split}", f"    path: {config}/{split}.parquet"]
+    (source / "README.md").write_text("\n".join([*card, "---", ""]))
     cache = tmp_path / "hf-home" / "datasets"
     for variable, value in (("HF_HOME", tmp_path / "hf-home"), ("HF_DATASETS_CACHE", cache)):
         monkeypatch.setenv(variable, str(value))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)  # read at import
-    builder = datasets.load_dataset_builder(str(source))
-    relative = Path(builder.cache_dir).relative_to(cache)
-    builder.download_and_prepare(output_dir=str(cache / f"{owner}___{relative.parts[0]}"
-                                                / Path(*relative.parts[1:])))
+    for config in configs:
+        builder = datasets.load_dataset_builder(str(source), config)
+        relative = Path(builder.cache_dir).relative_to(cache)
+        builder.download_and_prepare(output_dir=str(cache / f"{owner}___{relative.parts[0]}"
+                                                    / Path(*relative.parts[1:])))
     for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.setenv(variable, "1")
     monkeypatch.chdir(tmp_path)  # no folder named like the dataset beside the run
@@ -142,7 +150,7 @@ def test_a_cached_name_loads_offline_the_rows_save_to_disk_holds(tmp_path, monke
     splits = {"train": pq.read_table(f"{SST2}/train.parquet").slice(0, 120),
               "validation": pq.read_table(f"{SST2}/dev.parquet").slice(0, 40)}
     path = save(tmp_path, splits)
-    cache_by_name(tmp_path, monkeypatch, "someone/tiny-sst2", splits)
+    cache_by_name(tmp_path, monkeypatch, "someone/tiny-sst2", {"default": splits})
     by_name = text_pipeline(tmp_path, name="someone/tiny-sst2", test_split="validation")
     by_path = text_pipeline(tmp_path, path=path, test_split="validation")
     named, saved = hf_tables(by_name.data), hf_tables(by_path.data)
@@ -170,3 +178,21 @@ def test_a_cached_name_loads_offline_the_rows_save_to_disk_holds(tmp_path, monke
     with pytest.raises(rt.UserError, match=r"data.name: 'someone/other-set' is not in the local "
                                            r"Hugging Face cache \(loaded offline"):
         rt.validate(text_pipeline(tmp_path, name="someone/other-set"))
+
+
+def test_a_subset_names_one_of_several_cached_configurations(tmp_path, monkeypatch):
+    sentences = pq.read_table(f"{SST2}/train.parquet")
+    sst2 = {"train": sentences.slice(0, 60), "test": sentences.slice(60, 20)}
+    other = {"train": sentences.slice(100, 30), "test": sentences.slice(130, 10)}
+    cache_by_name(tmp_path, monkeypatch, "someone/tiny-glue", {"sst2": sst2, "other": other})
+    with pytest.raises(rt.UserError, match=r"data.subset: 'someone/tiny-glue' has several "
+                                           r"configurations in the local Hugging Face cache "
+                                           r"\((sst2, other|other, sst2)\); name one in data.subset"):
+        rt.validate(text_pipeline(tmp_path, name="someone/tiny-glue"))
+    chosen = hf_tables(text_pipeline(tmp_path, name="someone/tiny-glue", subset="sst2").data)
+    assert chosen["train"].equals(sst2["train"]) and chosen["test"].equals(sst2["test"])
+    with pytest.raises(rt.UserError, match=r"data.name: 'someone/tiny-glue' is not in the local "
+                                           r"Hugging Face cache \(loaded offline: .*'cola'"):
+        rt.validate(text_pipeline(tmp_path, name="someone/tiny-glue", subset="cola"))
+    with pytest.raises(rt.UserError, match="data.subset: only with data.name"):
+        text_pipeline(tmp_path, path=str(tmp_path), subset="sst2")
