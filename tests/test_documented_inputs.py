@@ -39,6 +39,7 @@ RUN_ELSEWHERE = {
                     "times the object store in the long mode)",
     "data.sampler_memory_mb": "auto's threshold: tests/test_streaming_sampler.py",
     "data.name": "source hf_dataset (a dataset in the local cache): tests/test_hf_datasets.py",
+    "data.subset": "source hf_dataset, with data.name: tests/test_hf_datasets.py",
     "data.split": "source hf_dataset: tests/test_hf_datasets.py (a run on 2 workers)",
     "data.test_split": "source hf_dataset: tests/test_hf_datasets.py",
     "data.validation_split": "source hf_dataset: tests/test_hf_datasets.py",

@@ -196,6 +196,8 @@ class HFDatasetData(ParquetData):
     source: Literal["hf_dataset"]
     path: ReadPath | None = Field(None, min_length=1)  # a save_to_disk folder, OR:
     name: str | None = Field(None, min_length=1)  # a dataset in the local Hugging Face cache
+    # with name: its configuration (load_dataset's second argument, the Hub's "subset")
+    subset: str | None = Field(None, min_length=1)
     split: str = Field("train", min_length=1)  # the rows trained on
     test_split: str | None = Field("test", min_length=1)  # null: cut by train_fraction
     # the rows data.validation releases a metric of (or data.validation.fraction cuts them)
@@ -206,6 +208,9 @@ class HFDatasetData(ParquetData):
         if (self.path is None) == (self.name is None):
             raise FieldProblem("set exactly one of path (a save_to_disk folder) or name (a "
                                "dataset in the local Hugging Face cache)", "path")
+        if self.subset is not None and self.name is None:
+            raise FieldProblem("only with data.name (a save_to_disk folder holds one "
+                               "configuration)", "subset")
         for field in ("test_path", "max_rows"):
             if getattr(self, field) is not None:
                 raise FieldProblem("not with source hf_dataset: its splits are named by split, "

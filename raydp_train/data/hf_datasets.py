@@ -4,7 +4,8 @@
 
 `path` is a folder written by `save_to_disk` (a DatasetDict, or one Dataset: then it is the
 split `split` names); `name` a dataset loaded by `load_dataset` from the local Hugging Face
-cache, offline (nothing is downloaded: a name not cached is refused by name). Its splits are
+cache, offline (nothing is downloaded, no host is asked: a name not cached is refused by
+name), `subset` its configuration where several are cached (GLUE's sst2, cola, ...). Its splits are
 taken by name (`split`, `test_split`, `validation_split`) as the Arrow tables `datasets`
 memory-maps; `run` hands them to Ray Data and trains as on Ray Datasets handed to it
 (data/ray_datasets.py: checked by Ray Data tasks, each worker reading its shard, nothing
@@ -87,18 +88,22 @@ def _load(data) -> dict:
                             "dataset's save_to_disk")
         loaded = datasets.load_from_disk(data.path)
         return {data.split: loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
-    return _from_cache(datasets, data.name)
+    return _from_cache(datasets, data.name, data.subset)
 
 
-def _from_cache(datasets, name: str) -> dict:
+def _from_cache(datasets, name: str, subset: str | None) -> dict:
     """`load_dataset(name)` with the hub unreachable by choice: from the local cache alone."""
     previous = datasets.config.HF_HUB_OFFLINE, os.environ.get("HF_DATASETS_OFFLINE")
     datasets.config.HF_HUB_OFFLINE = True
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
-        return dict(datasets.load_dataset(name))
+        return dict(datasets.load_dataset(name, subset))
     except Exception as error:  # noqa: BLE001 -- any failure to find it: one line
         message = " ".join(str(error).split())[:300]
+        if subset is None and "configurations in the cache" in message:
+            cached = message.split("in the cache:")[-1].split(" Please")[0].strip()
+            raise DataError(f"data.subset: {name!r} has several configurations in the local "
+                            f"Hugging Face cache ({cached}); name one in data.subset") from None
         raise DataError(f"data.name: {name!r} is not in the local Hugging Face cache (loaded "
                         f"offline: {message}); load it once online, or save_to_disk and give "
                         "data.path") from None

@@ -220,7 +220,7 @@ def _read(pipeline, data: Path, width: int | None):
     with tempfile.TemporaryDirectory() as scratch:
         source = data if labelled else _unlabeled_copy(pipeline, data, Path(scratch), width)
         raw = pipeline.model_dump(mode="json")
-        for field in ("name", "split", "test_split", "validation_split"):  # hf_dataset's
+        for field in ("name", "subset", "split", "test_split", "validation_split"):  # hf_dataset's
             raw["data"].pop(field, None)
         raw["data"].update(source="parquet", path=str(source), test_path=str(source),
                            validation=None)
