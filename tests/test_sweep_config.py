@@ -236,6 +236,27 @@ def test_a_search_without_its_package_is_one_line_naming_the_extra(monkeypatch):
         "'raydp-train[search]' (or choose search: random)")
 
 
+def test_tune_without_the_search_package_says_so_in_one_line_before_ray(monkeypatch, tmp_path,
+                                                                        capsys):
+    import importlib.util
+
+    from raydp_train.checks import sweep_spending
+    from raydp_train.commands.cli import main
+    from raydp_train.runs import resources
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(sweep_spending.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "hyperopt" else found(name, *a))
+    monkeypatch.setattr(resources, "connect", lambda *a, **k: pytest.fail("Ray was started"))
+    settings = ["tune.search=hyperopt", f"run.output_dir={tmp_path}/runs",
+                f"budget.ledger={tmp_path}/budgets"]
+    assert main(["tune", SWEEP, *(x for s in settings for x in ("--set", s))]) == 2
+    assert capsys.readouterr().err == (
+        "error: tune.search: hyperopt needs the 'hyperopt' package, which is not installed: "
+        "pip install 'raydp-train[search]' (or choose search: random)\n")
+    assert not (tmp_path / "budgets").exists() and not (tmp_path / "runs").exists()
+
+
 def _epsilons(q: float, sigma: float, steps: int, releases: int) -> list[float]:
     """dp-accounting itself, at three deltas: a trial of `steps` Poisson-sampled Gaussian steps
     and `releases` noisy validation counts (sigma 4)."""
