@@ -101,7 +101,9 @@ def sweep(method: str, seed: int, epsilon: float, samples: int, epochs: int,
     return {"task": task, "method": method, "seed": seed, "best_test_accuracy": best.get("test_accuracy"),
             "epsilon": summary["privacy"]["epsilon"], "trials": len(summary["trials"]),
             "wall_s": round(wall, 1), "load": round(load, 1),
-            "drawn": [[t.get(k) for k in searched] for t in summary["trials"]]}
+            "drawn": [[t.get(k) for k in searched] for t in summary["trials"]],
+            "ran": [[t["epochs"], t["stop_reason"][:20], t["validation_accuracy"],
+                     t["test_accuracy"]] for t in summary["trials"]]}
 
 
 def main() -> None:
