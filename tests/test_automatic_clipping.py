@@ -59,3 +59,26 @@ def test_the_pipeline_field_reaches_the_engine_and_fixed_is_the_default():
     engine = make_mechanism(privacy, torch.Generator()).attach(_model(), 1.0)
     assert engine.stability == 0.05
     engine.close()
+
+
+@pytest.mark.parametrize("mechanism", ["dpsgd", "lsg", "lora"])
+def test_every_mechanism_and_the_own_loops_private_step_clip_automatically(mechanism):
+    import raydp_train as rt
+
+    raw = {"name": "t", "data": {"source": "synthetic"}, "model": {"kind": "logistic"},
+           "privacy": {"mechanism": mechanism, "noise_multiplier": 1.0, "clipping": "automatic",
+                       "stability": 0.05,
+                       **({mechanism: {"rank": 2}} if mechanism != "dpsgd" else {})}}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    engine = make_mechanism(pipeline_from_dict(raw).privacy,
+                            torch.Generator().manual_seed(0)).attach(model, 0.1)
+    assert engine.stability == 0.05 and engine.quantile is None
+    engine.close()
+    small = nn.Sequential(nn.Linear(6, 3))
+    private = rt.PrivateStep(small, torch.optim.SGD(small.parameters(), lr=0.1),
+                             noise_multiplier=1.0,
+                             clip_norm=1.0, expected_batch_size=20, num_examples=40,
+                             delta=1e-3, clipping="automatic", mechanism=mechanism, seed=0,
+                             **({mechanism: {"rank": 2}} if mechanism != "dpsgd" else {}))
+    assert private.clipper.stability == 0.01  # privacy.stability's default

@@ -209,14 +209,14 @@ BAYESOPT_SPACE = ("tune.search_space={privacy.noise_multiplier: {uniform: [1.2, 
 
 @pytest.mark.parametrize("search", ["optuna", "hyperopt", "bayesopt"])
 def test_an_adaptive_search_is_seeded_by_run_seed(search):
-    """Tune's own integration, seeded: the same first trials on every run of the sweep."""
-    overrides = [f"tune.search={search}", "run.seed=7"]
-    if search == "bayesopt":
-        overrides.append(BAYESOPT_SPACE)
-    pipeline = load_pipeline(SWEEP, overrides)
-    first = drawn(pipeline)
-    assert len(first) == 6 and drawn(pipeline) == first
-    assert drawn(load_pipeline(SWEEP, [*overrides[:1], *overrides[2:], "run.seed=8"])) != first
+    """Tune's own integration, seeded: the same first trials on every run of the sweep, and
+    other trials for another seed, 0 included (a seed of 0 is a seed, not "unseeded")."""
+    overrides = [f"tune.search={search}"] + ([BAYESOPT_SPACE] if search == "bayesopt" else [])
+    seeded = load_pipeline(SWEEP, [*overrides, "run.seed=0"])
+    first = drawn(seeded)
+    assert len(first) == 6 and drawn(seeded) == first
+    # the benchmark's seeds 0 and 1: their very first trials already differ
+    assert drawn(load_pipeline(SWEEP, [*overrides, "run.seed=1"]))[0] != first[0]
 
 
 def test_a_search_without_its_package_is_one_line_naming_the_extra(monkeypatch):
@@ -234,6 +234,27 @@ def test_a_search_without_its_package_is_one_line_naming_the_extra(monkeypatch):
     assert str(caught.value) == (
         "tune.search: optuna needs the 'optuna' package, which is not installed: pip install "
         "'raydp-train[search]' (or choose search: random)")
+
+
+def test_tune_without_the_search_package_says_so_in_one_line_before_ray(monkeypatch, tmp_path,
+                                                                        capsys):
+    import importlib.util
+
+    from raydp_train.checks import sweep_spending
+    from raydp_train.commands.cli import main
+    from raydp_train.runs import resources
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(sweep_spending.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "hyperopt" else found(name, *a))
+    monkeypatch.setattr(resources, "connect", lambda *a, **k: pytest.fail("Ray was started"))
+    settings = ["tune.search=hyperopt", f"run.output_dir={tmp_path}/runs",
+                f"budget.ledger={tmp_path}/budgets"]
+    assert main(["tune", SWEEP, *(x for s in settings for x in ("--set", s))]) == 2
+    assert capsys.readouterr().err == (
+        "error: tune.search: hyperopt needs the 'hyperopt' package, which is not installed: "
+        "pip install 'raydp-train[search]' (or choose search: random)\n")
+    assert not (tmp_path / "budgets").exists() and not (tmp_path / "runs").exists()
 
 
 def _epsilons(q: float, sigma: float, steps: int, releases: int) -> list[float]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from raydp_train.budget.ledger import as_uri
 from raydp_train.checks.preflight import check_pipeline
 from raydp_train.checks.sweep_spending import (
+    check_search_installed,
     check_search_space,
     draw_trial_count_of,
     first_refusal,
@@ -73,6 +74,7 @@ def run_sweep(pipeline: Pipeline, connect, on_line=print_now, source: str = "<pi
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our own progress lines, not Tune's
     config = pipeline.tune
+    check_search_installed(config.search)  # in a moment: one line naming the extra, before Ray
     resumed = sweep_to_continue(pipeline, source, new)  # before Ray, and before any spending
     # First: text data is tokenized by Ray Data. The splits of Ray Datasets (else None) are
     # checked and counted here, once: every trial reads them as they are (sweeps/trial.py).
