@@ -50,10 +50,12 @@ def test_every_example_contributes_under_c_whatever_its_scale():
     assert max(contributions) < 1.0 and min(contributions) > 0.0
 
 
-def test_the_pipeline_field_reaches_the_engine_and_fixed_is_the_default():
+def test_the_pipeline_field_reaches_the_engine_and_flat_is_the_default():
     raw = {"name": "t", "data": {"source": "synthetic"}, "model": {"kind": "logistic"},
            "privacy": {"noise_multiplier": 1.0}}
-    assert pipeline_from_dict(raw).privacy.clipping == "fixed"
+    assert pipeline_from_dict(raw).privacy.clipping == "flat"
+    raw["privacy"]["clipping"] = "fixed"  # flat's name in pipelines saved before
+    assert pipeline_from_dict(raw).privacy.clipping == "flat"
     raw["privacy"].update(clipping="automatic", stability=0.05)
     privacy = pipeline_from_dict(raw).privacy
     engine = make_mechanism(privacy, torch.Generator()).attach(_model(), 1.0)

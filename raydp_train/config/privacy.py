@@ -88,10 +88,10 @@ class PrivacyConfig(Section):
     # A trained module with no rule of its own: its parameters' per-example gradients by
     # torch.func (per_example, exact, materialized for that module), or refused by name.
     other_layers: Literal["per_example", "refuse"] = "per_example"
-    # fixed: g_i min(1, C / ||g_i||); automatic: C g_i / (||g_i|| + stability) (Bu et al. 2023,
+    # flat: g_i min(1, C / ||g_i||); automatic: C g_i / (||g_i|| + stability) (Bu et al. 2023,
     # per-example normalization): every example contributes just under C, no C to tune;
-    # adaptive: fixed clipping at a C that follows a quantile of the norms (privacy.adaptive).
-    clipping: Literal["fixed", "automatic", "adaptive"] = "fixed"
+    # adaptive: flat clipping at a C that follows a quantile of the norms (privacy.adaptive).
+    clipping: Literal["flat", "automatic", "adaptive"] = "flat"
     stability: float = Field(0.01, gt=0, le=1e6)  # automatic clipping's gamma
     # What one clipped contribution is: an example (a row), or a user (data.user_column): all
     # of a sampled user's rows, at most rows_per_user of them, summed and clipped once.
@@ -101,6 +101,11 @@ class PrivacyConfig(Section):
     # gradients, or their mean (each row weighs 1/k, k its rows in the step); sensitivity C.
     user_contribution: Literal["sum", "mean"] = "sum"
     adaptive: AdaptiveClippingConfig | None = None  # adaptive clipping's settings
+
+    @field_validator("clipping", mode="before")
+    @classmethod
+    def _flat_was_fixed(cls, value):
+        return "flat" if value == "fixed" else value  # its name in pipelines saved before
 
     @model_validator(mode="after")
     def _one_noise_spec(self) -> PrivacyConfig:

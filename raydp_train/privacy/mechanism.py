@@ -92,14 +92,14 @@ class Mechanism:
     @property
     def stability(self) -> float | None:
         """privacy.clipping automatic: its gamma; None: fixed clipping."""
-        if getattr(self.privacy, "clipping", "fixed") != "automatic":
+        if getattr(self.privacy, "clipping", "flat") != "automatic":
             return None
         return self.privacy.stability
 
     def quantile(self, clip_norm: float):
         """privacy.clipping adaptive: C's tracker of a target quantile, starting at
         `clip_norm` (privacy/adaptive_clipping.py); None otherwise."""
-        if getattr(self.privacy, "clipping", "fixed") != "adaptive":
+        if getattr(self.privacy, "clipping", "flat") != "adaptive":
             return None
         from raydp_train.privacy.adaptive_clipping import QuantileClipping
 

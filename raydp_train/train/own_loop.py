@@ -85,7 +85,7 @@ class PrivateStep:
                  accountant: str = "rdp", loss: Callable[..., Tensor] = rows_.inputs_then_labels,
                  max_physical_batch: int = 256, seed: int | None = None,
                  self_check: dict | None = None, other_layers: str = "per_example",
-                 record_dir: str | None = None, clipping: str = "fixed",
+                 record_dir: str | None = None, clipping: str = "flat",
                  adaptive: dict | None = None, unit: str = "example",
                  rows_per_user: int | None = None, user_contribution: str = "sum"):
         """`num_examples`: N of the WHOLE training set (every worker's shard); sigma is

@@ -84,7 +84,7 @@ def check_noise(noise: str, seed: int | None) -> None:
 def privacy_settings(mechanism: str, *, clip_norm: float, noise_multiplier: float | None,
                      target_epsilon: float | None, delta: float, accountant: str,
                      lsg: dict | None, lora: dict | None, self_check: dict | None,
-                     other_layers: str, clipping: str = "fixed", adaptive: dict | None = None,
+                     other_layers: str, clipping: str = "flat", adaptive: dict | None = None,
                      unit: str = "example", rows_per_user: int | None = None,
                      user_contribution: str = "sum") -> tuple[PrivacyConfig, type[Mechanism]]:
     """The settings as a pipeline's `privacy` section holds them, checked by its schema, and
