@@ -142,25 +142,22 @@ def final_reports(directory) -> dict[str, dict]:
     return finals
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_pbt_counts_every_step_of_every_trial_copied_or_not(ray_session, tmp_path, workers):
+def test_pbt_counts_every_step_of_every_trial_copied_or_not(ray_session, tmp_path):
     """PBT continues the trial behind (lr 1e-4) from the checkpoint of the one ahead (lr
     0.03) at epoch c. The budget counts each epoch under the trial that ran it: the one ahead,
     never continued, all E of its epochs; the copied epochs once, under it; the continued
-    trial, its own epochs before the copy and the E - c it ran after. Two 2-worker trials
-    cannot overlap on the session's 4 CPUs (4 workers and 2 trials), so with 2 workers the
-    second runs after the first, with no live trial to copy from: that case checks that such
-    trials report their checkpoints and are counted."""
-    epochs = 8 if workers == 1 else 2  # one worker: long enough for the trials to overlap
+    trial, its own epochs before the copy and the E - c it ran after. One-worker trials, long
+    enough to overlap; PBT between 2-worker trials: the synchronous test below."""
+    epochs = 8
     _, trials, rows = sweep(
-        tmp_path, f"pbt-{workers}", f"training.workers={workers}", f"training.epochs={epochs}",
+        tmp_path, "pbt-1", "training.workers=1", f"training.epochs={epochs}",
         "tune.scheduler=pbt", "tune.pbt={perturbation_interval: 1, quantile_fraction: 0.5}",
         "tune.search=grid", "tune.num_samples=1", "tune.max_concurrent_trials=2",
         "tune.search_space={training.lr: {grid: [0.0001, 0.03]}}", epsilon=30.0)
     finals = final_reports(next((tmp_path / "runs").glob("sweep-*")))
     assert len(finals) == 2 and all(t["stop_reason"] == "completed" for t in trials), trials
     copied = {trial: final["continued_from_epoch"] for trial, final in finals.items()}
-    assert any(copied.values()) or workers == 2, copied
+    assert any(copied.values()), copied
     for trial, epoch in copied.items():
         reserved = [r for r in rows if r["kind"] == "reserve" and r["owner"].endswith(trial)]
         if epoch == 0:  # ran every epoch itself
