@@ -5,8 +5,8 @@ Each configuration runs in fresh processes: W ranks build the model (sharded one
 device, then materialized shard by shard, as a sharded model too big for one worker must be),
 take `--steps` steps of `--batch` sequences each, and report their peak RSS minus the RSS
 after imports (the process's own cost: Python, torch, transformers). Private: DP-SGD through
-the engine (clipped sums reduce-scattered, each rank's shard noise; whole: all-reduce, rank-0
-noise). Non-private: a plain backward, FSDP's own reduce-scatter (sharded) or an all-reduce.
+the engine (clipped sums reduced layer by layer onto the shards, each rank's shard noise;
+whole: all-reduce, rank-0 noise). Non-private: a plain backward, FSDP's own reduce-scatter (sharded) or an all-reduce.
 
 glibc keeps freed blocks of a few MB in its heap (its mmap threshold grows after each free),
 so RSS counted what FSDP had gathered and freed block after block: a sharded non-private
@@ -94,7 +94,7 @@ def steps(args, mode: str, model, rank: int, world: int) -> None:
     clipper = PerExampleClipper(model, 1.0)
     mechanism, std = DpSgd(), (1.0 if rank == 0 else 0.0)
     if mode.startswith("sharded"):
-        sums = ShardedSums(clipper.bound, clipper.flat_grad, 1.0, generator, rank, world)
+        sums = ShardedSums(clipper, 1.0, generator)
         mechanism, std = ShardedMechanism(mechanism, sums), 0.0
     optimizer = Adam([{"params": clipper.parameters}], lr=1e-4)
     for tokens in batches:
