@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
-from sharded_memory import MODES, OPACUS_MODES, measure
+from sharded_memory import MODES, OPACUS_MODES, measure, run_arguments, start
 
 
 def largest(args, mode: str) -> dict:
@@ -38,19 +37,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit-mb", type=int, required=True)
     parser.add_argument("--hidden", type=int, nargs="+", default=[384, 512, 640, 768, 896])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=16000)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=2)
+    run_arguments(parser, layers=12, vocab=16000)
     parser.add_argument("--modes", nargs="*", default=["whole-private", "sharded-private",
                                                        "sharded-nonprivate", "opacus-sharded"],
                         choices=[*MODES, *OPACUS_MODES])
-    parser.add_argument("--mmap-threshold", type=int, default=65536)
     args = parser.parse_args()
-    if args.mmap_threshold:  # read by glibc when each spawned rank starts
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    start(args)
     for mode in args.modes:
         print(json.dumps(largest(args, mode)), flush=True)
 

@@ -187,23 +187,32 @@ def measure(args, mode: str) -> dict:
             **({"error": failed[0]} if failed else {})}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8000)
+def run_arguments(parser: argparse.ArgumentParser, layers: int, vocab: int) -> None:
+    """The model's and the run's arguments (shared with largest_model.py)."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--vocab", type=int, default=vocab)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--mmap-threshold", type=int, default=65536)
+
+
+def start(args) -> None:
+    if args.mmap_threshold:  # read by glibc when each spawned rank starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    run_arguments(parser, layers=8, vocab=8000)
     parser.add_argument("--modes", nargs="*", default=list(MODES),
                         choices=[*MODES, *OPACUS_MODES])
     parser.add_argument("--limit-mb", type=int, default=0,
                         help="each rank's data segment limit over its imports' (0: none)")
-    parser.add_argument("--mmap-threshold", type=int, default=65536)
     args = parser.parse_args()
-    if args.mmap_threshold:  # read by glibc when each spawned rank starts
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    start(args)
     for mode in args.modes:
         print(json.dumps({**measure(args, mode), "workers": args.workers,
                           "hidden": args.hidden, "layers": args.layers}), flush=True)
