@@ -22,6 +22,7 @@ from oracles import (
 
 from raydp_train.optim.updates import Adam
 from raydp_train.privacy.clipping import PerExampleClipper
+from raydp_train.privacy.layer_reduction import whole_sums
 from raydp_train.privacy.mechanism import DpSgd
 from raydp_train.privacy.noise import fill_gaussian_noise_
 from raydp_train.privacy.self_check import compare_with_per_example
@@ -90,27 +91,28 @@ def mine(rank: int, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gathered(sums: ShardedSums, flat: torch.Tensor) -> torch.Tensor:
-    """Every rank's coordinates of `flat`, summed into one full-layout vector."""
-    full = torch.zeros_like(flat)
-    for _, ranges in sums.pieces:
-        a, b = ranges[sums.rank]
-        full[a:b] = flat[a:b]
-    dist.all_reduce(full)
-    return full
+    """Every rank's rows of the local buffer `flat`, in one full-layout vector."""
+    return sums.reduction.whole(flat)
 
 
-def sharded_clipper(model, noise_std: float, generator, rank: int, in_place: bool = True):
+def sharded_clipper(model, noise_std: float, generator, rank: int, in_place: bool = True,
+                    bucket_entries: int = 1 << 22):
     shard_model(model)
     clipper = PerExampleClipper(model, CLIP_NORM)
+    clipper.reduction.in_place, clipper.reduction.bucket_entries = in_place, bucket_entries
     clipper.zero_grad()
-    return clipper, ShardedSums(clipper.bound, clipper.flat_grad, noise_std, generator, rank,
-                                WORLD, in_place)
+    # No rank holds a full-size buffer: the layout is a meta tensor, the buffer its own rows.
+    assert clipper.layout.is_meta
+    assert clipper.flat_grad.numel() == sum(p.to_local().numel() for p in clipper.parameters)
+    return clipper, ShardedSums(clipper, noise_std, generator)
 
 
 def check_clipped_sums(rank: int) -> None:
     tokens, labels = batch()
-    # An in-place all-reduce (Gloo's default), and a reduce-scatter (NCCL's).
-    for train_norms, naive_rtol, in_place in ((False, 1e-9, True), (True, 1e-6, False)):
+    # An in-place all-reduce (Gloo's default) of one bucket, and a reduce-scatter (NCCL's)
+    # of buckets of one or a few layers.
+    for train_norms, naive_rtol, in_place, bucket in ((False, 1e-9, True, 1 << 22),
+                                                      (True, 1e-6, False, 700)):
         # Llama's RMSNorm computes in float32 inside a float64 model: its weights' per-example
         # gradients agree with autograd's to float32 rounding (test_rms_norm_families.py).
         model = tiny_llama(train_norms)
@@ -121,10 +123,10 @@ def check_clipped_sums(rank: int) -> None:
         expected, _, _ = naive_clipped_sum(oracle, causal_lm_losses, tokens, labels, CLIP_NORM)
         got = engine_sum_in_parameter_order(reference, unsharded)
         assert (got - expected).abs().max() / expected.abs().max() < naive_rtol
-        clipper, sums = sharded_clipper(model, 0.0, torch.Generator(), rank, in_place)
+        clipper, sums = sharded_clipper(model, 0.0, torch.Generator(), rank, in_place, bucket)
         clipper.accumulate(causal_lm_losses, model, mine(rank, tokens), mine(rank, labels))
-        sums.reduce(clipper.flat_grad)
-        full = gathered(sums, clipper.flat_grad)
+        assert (len(clipper.reduction.buckets) > 3) == (bucket < 1000)
+        full = gathered(sums, clipper.flat_grad)  # reduced in the pass, bucket by bucket
         scale = unsharded.flat_grad.abs().max()
         assert (full - unsharded.flat_grad).abs().max() / scale < 1e-9
 
@@ -133,18 +135,22 @@ def check_one_draw_per_coordinate(rank: int, in_place: bool) -> None:
     std = 2.0
     generator = torch.Generator().manual_seed(shard_seed(SEED, rank))
     clipper, sums = sharded_clipper(tiny_llama(True), std, generator, rank, in_place)
-    covered = torch.zeros_like(clipper.flat_grad)
-    for _, ranges in sums.pieces:
-        for a, b in ranges:
+    sums.NOISE_CHUNK = 100  # drawn a chunk at a time
+    covered = torch.zeros(clipper.layout.shape)
+    for w in range(WORLD):
+        for a, b, _ in sums.reduction.ranges(w):
             covered[a:b] += 1
     assert torch.equal(covered, torch.ones_like(covered))  # each coordinate on one rank
-    sums.reduce(clipper.flat_grad)  # nothing clipped: the noise alone
+    sums.add_noise(clipper.flat_grad)  # nothing clipped: the noise alone
     noise = gathered(sums, clipper.flat_grad)
     expected = torch.zeros_like(noise)  # rank w's draw, from its own seed, on its coordinates
     for w in range(WORLD):
-        draw = torch.empty(sum(r[w][1] - r[w][0] for _, r in sums.pieces))
-        fill_gaussian_noise_(draw, std, torch.Generator().manual_seed(shard_seed(SEED, w)))
-        expected[torch.cat([torch.arange(*r[w]) for _, r in sums.pieces])] = draw
+        own = torch.cat([torch.arange(a, b) for a, b, _ in sums.reduction.ranges(w)])
+        seeded = torch.Generator().manual_seed(shard_seed(SEED, w))
+        for start in range(0, own.numel(), 100):
+            draw = torch.empty(min(100, own.numel() - start))
+            fill_gaussian_noise_(draw, std, seeded)
+            expected[own[start:start + 100]] = draw
     assert torch.equal(noise, expected)
     # sigma C per coordinate, not sqrt(W) sigma C (within 6 standard errors of the estimate)
     assert abs(noise.std().item() / std - 1) < 6 / (2 * noise.numel()) ** 0.5
@@ -156,8 +162,9 @@ def check_self_check(rank: int) -> None:
     model = tiny_llama(True)
     clipper, _ = sharded_clipper(model, 0.0, torch.Generator(), rank)
     args = (model, mine(rank, tokens), mine(rank, labels))
-    report = compare_with_per_example(clipper, causal_lm_losses, args, examples=2,
-                                      chooser=random.Random(rank))
+    with whole_sums(clipper):  # the check's passes unreduced, as unsharded
+        report = compare_with_per_example(clipper, causal_lm_losses, args, examples=2,
+                                          chooser=random.Random(rank))
     assert report.passed, report.message()
     stats = clipper.accumulate(causal_lm_losses, *args)
     state = torch.get_rng_state()

@@ -8,7 +8,7 @@ from torch import nn
 from raydp_train.config.errors import PipelineError
 from raydp_train.config.pipeline import pipeline_from_dict
 from raydp_train.privacy.clipping import PerExampleClipper
-from raydp_train.privacy.sharding import _rows, shard_seed, shardable_rule, sharded_blocks
+from raydp_train.privacy.sharding import dim0_rows, shard_seed, shardable_rule, sharded_blocks
 
 
 def raw(**training) -> dict:
@@ -49,7 +49,7 @@ def test_the_frozen_base_in_bf16_is_refused_under_sharding():
 def test_each_rank_has_its_own_noise_seed_and_fsdp_rows_cover_each_row_once():
     assert len({shard_seed(7, rank) for rank in range(8)} | {shard_seed(8, 0)}) == 9
     for rows in (0, 1, 3, 4, 7):
-        ranges = _rows(rows, 3)
+        ranges = dim0_rows(rows, 3)
         assert [r for a, b in ranges for r in range(a, b)] == list(range(rows))
         chunks = [len(chunk) for chunk in torch.arange(rows).chunk(3)]  # FSDP2's shards
         assert [b - a for a, b in ranges] == chunks + [0] * (3 - len(chunks))

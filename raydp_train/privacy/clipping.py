@@ -40,6 +40,7 @@ from raydp_train.privacy.covered_layers import (
 )
 from raydp_train.privacy.example_axis import NO_CHANGE, check_example_axis, leading_size
 from raydp_train.privacy.layer_recording import LayerRecorder
+from raydp_train.privacy.layer_reduction import LayerReduction
 from raydp_train.privacy.owned_parameters import owned_parameters
 from raydp_train.privacy.parameter_uses import ParameterUseAudit, ParameterUseError
 from raydp_train.privacy.per_example_path import PER_EXAMPLE_PATH
@@ -102,14 +103,15 @@ class PerExampleClipper(LayerRecorder):
             raise ValueError("the model has no trainable parameters")
         check_uniform(self.parameters)
         first = local_tensor(self.parameters[0])  # a sharded one's shard (sharding.py)
-        self.flat_grad, self.slots = slot_views(self.layers, first)
-        bound = {
-            id(param): (param, view)
-            for module, named in self.slots.items()
-            for name, view in named.items()
-            if (param := owned_parameters(module).get(name)) is not None
-        }
-        self.bound = list(bound.values())
+        # Sharded: the whole layout on the meta device, this rank's rows in `flat_grad`.
+        sharded = is_sharded(self.parameters[0])
+        self.layout, self.slots = slot_views(self.layers, first.to("meta") if sharded else first)
+        self.bound = list({id(param): (param, view) for module, named in self.slots.items()
+                           for name, view in named.items()
+                           if (param := owned_parameters(module).get(name)) is not None}.values())
+        self.reduction = (LayerReduction(self.bound, self.layout, self.slots, first)
+                          if sharded else None)
+        self.flat_grad = self.reduction.local if sharded else self.layout
         self.last_norm_parts: NormParts | None = None
         # The last micro-batch's clip basis sqrt(norm^2 + rounding bound) and clip factors.
         self.last_clip_basis: Tensor | None = None
@@ -155,6 +157,8 @@ class PerExampleClipper(LayerRecorder):
                 restore_random_state(state)
                 self._audit.refuse(stray, lambda: compute_losses(*args))
             if losses.shape[0] == 0:  # an empty micro-batch adds nothing
+                if self.reduction is not None:  # but joins the ranks' reductions
+                    self.reduction.add_nothing()
                 self.last_clip_basis = self.last_clip_factors = losses.detach().clone()
                 return MicroBatchStats(losses.detach(), losses.detach().clone())
             return MicroBatchStats(losses.detach(), self._clip_and_sum(losses.shape[0], users))
@@ -185,13 +189,13 @@ class PerExampleClipper(LayerRecorder):
 
     @property
     def num_parameters(self) -> int:
-        return self.flat_grad.numel()
+        return self.layout.numel()
 
     def slot_vector(self, gradients: dict[int, Tensor]) -> Tensor:
         """One example's gradients (by parameter id; missing: zero) laid out as the flat
         buffer, in each rule's slots (slots_from_gradients): what its clipped sum would add
         for that example with a clip factor of 1."""
-        flat = torch.zeros_like(self.flat_grad)
+        flat = self.flat_grad.new_zeros(self.layout.numel())
         for _, module, rule in self.layers:
             named = {name: gradients.get(id(p), torch.zeros_like(p))
                      for name, p in owned_parameters(module).items()}
@@ -203,7 +207,7 @@ class PerExampleClipper(LayerRecorder):
         """`flat` (laid out as the buffer; [K, P] for K examples) at a module's slot: a view
         when `flat` is one vector."""
         view = self.slots[module][slot]
-        start = view.storage_offset() - self.flat_grad.storage_offset()
+        start = view.storage_offset() - self.layout.storage_offset()
         return flat[..., start : start + view.numel()].reshape((*flat.shape[:-1], *view.shape))
 
     def parameter_name(self, parameter: Tensor) -> str:
@@ -268,7 +272,9 @@ class PerExampleClipper(LayerRecorder):
         scale = basis + self.stability if self.stability else basis.clamp(min=self.clip_norm)
         clip_factors = (self.clip_norm / scale).to(self.flat_grad.dtype)
         self.last_clip_basis, self.last_clip_factors = basis, clip_factors
-        for _, module, rule in used:
+        if self.reduction is not None:  # sharded: summed over the ranks, bucket by bucket
+            self.reduction.add_clipped_sums(used, self._calls, clip_factors)
+        for _, module, rule in used if self.reduction is None else ():
             rule.add_clipped_sum(module, self._calls[module], clip_factors, self.slots[module])
         return squared.clamp(min=0).sqrt().to(self.flat_grad.dtype)
 

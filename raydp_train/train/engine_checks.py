@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from raydp_train.privacy.clipping import MicroBatchStats, PerExampleClipper
+from raydp_train.privacy.layer_reduction import whole_sums
 from raydp_train.privacy.self_check import SelfCheckError, compare_with_per_example
 from raydp_train.privacy.user_clipping import rows_as_examples
 
@@ -51,7 +52,7 @@ class EngineChecks:
         of its own once every rank passed."""
         failure, stats = None, None
         if args is not None:
-            with rows_as_examples(clipper):
+            with rows_as_examples(clipper), whole_sums(clipper):  # sharded: reduced after
                 report = compare_with_per_example(clipper, compute_losses, args,
                                                   self.settings.examples, self.forward_dtype,
                                                   chooser=self._rows, keep_pass=users is None)

@@ -1,7 +1,7 @@
 """A worker's model sharded over the workers (`training.sharding: fsdp`, ARCHITECTURE.md
-§2.15): the engine rebuilt on the sharded model, the step's sums reduce-scattered with each
-rank's own shard noise (or, for a mechanism whose trained parameters stay whole, the usual
-all-reduce and rank-0 draw); checkpoints and the returned model gathered whole.
+§2.15): the engine rebuilt on the sharded model, its sums reduced layer by layer onto the
+shards, each rank adding its own shard noise (or, for a mechanism whose trained parameters
+stay whole, the usual all-reduce and rank-0 draw); checkpoints and the returned model whole.
 
 Checkpoints hold the gathered state (every DTensor's `full_tensor()`, a collective every rank
 joins; rank 0 writes it), so a sharded run resumes on any number of workers and its state file
@@ -47,8 +47,7 @@ def shard_worker(mechanism: Mechanism, engine, model: nn.Module, plan, run, cont
         return mechanism, engine, std if context.rank == 0 else 0.0
     seed = None if run.seed is None else shard_seed(run.seed, context.rank)
     generator, _ = make_noise_generator(run.noise, seed, context.device)
-    sums = ShardedSums(engine.bound, engine.flat_grad, std, generator, context.rank,
-                       context.world_size)
+    sums = ShardedSums(engine, std, generator)
     return ShardedMechanism(mechanism, sums), engine, 0.0  # no rank-0 draw: each its shard's
 
 
