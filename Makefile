@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint docs setup clean
+.PHONY: run test test-long test-fast lint docs setup clean
 
 run: $(STAMP)
 	$(BIN)/raydp-train run pipelines/quickstart.yaml
@@ -19,11 +19,18 @@ run: $(STAMP)
 # The package is installed editable, so pip compiles none of it: compiled here, each of the
 # suite's hundreds of processes (Ray's workers included) reads it instead of compiling it
 # again where PYTHONDONTWRITEBYTECODE is set (0.1 CPU s a process; benchmarks/RESULTS.md).
+# The end-to-end checks of minutes whose paths shorter tests also take (marked `long`) run in
+# `make test-long`, which CI runs after `make test`: `make test` keeps its 20 minutes.
 TEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=0 \
+	--durations-min=10
 test: $(STAMP)
 	$(BIN)/python -m compileall -q raydp_train
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-		--durations=0 --durations-min=10
+	$(BIN)/python -m pytest $(PYTEST_XDIST) -m "not long"
+
+test-long: $(STAMP)
+	$(BIN)/python -m compileall -q raydp_train
+	$(BIN)/python -m pytest $(PYTEST_XDIST) -m long
 
 # The edit loop: math, schema, ledger, engine; no Ray, no other process (tests/conftest.py) and
 # none of the long randomized or PLD checks (marked thorough), which `make test` runs.

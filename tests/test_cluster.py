@@ -87,6 +87,7 @@ def _shell(command: str, head, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.long
 def test_readme_cluster_section_spends_one_budget_across_jobs(head, repository):
     commands = _walkthrough()
     assert commands[0] == "export RAY_AUTH_MODE=disabled"  # the fixture's head has it too

@@ -40,6 +40,7 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return [c for c in run_dir.glob("checkpoint_*") if c.is_dir()]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_ctrl_c_stops_before_the_next_epoch_and_the_same_command_resumes_within_the_target(
     ray_session, tmp_path, capsys

@@ -102,6 +102,7 @@ def _never_interrupted_epsilon(privacy: dict) -> float:
         dp_accounting.ComposedDpEvent([steps, releases])).get_epsilon(privacy["delta"])
 
 
+@pytest.mark.long
 def test_the_first_hour(ray_session, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     churn_frame(400, 0).to_parquet("churn.parquet")  # labels as Arrow large_string

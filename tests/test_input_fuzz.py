@@ -24,6 +24,7 @@ def test_no_mutated_input_ends_in_a_traceback_or_a_hang(tmp_path):
     assert report["exit_codes"].get("0", 0) > 10 and report["exit_codes"].get("2", 0) > 200
 
 
+@pytest.mark.long
 def test_a_sample_runs_or_is_refused_before_anything_is_spent(ray_session, tmp_path):
     """`run` (one epoch) of the first 3 cases validate accepts and the first 3 it refuses:
     what validate lets through must train or stop cleanly; what it refuses, run refuses

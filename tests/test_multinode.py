@@ -18,7 +18,7 @@ from raydp_train.budget.terms import BudgetError
 from raydp_train.commands.cli import main
 from raydp_train.train.context import PROGRESS_FILE, newest_checkpoint
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[1]
 SST2 = ROOT.parent / "shared" / "data" / "sst2"
 

@@ -30,6 +30,7 @@ def fresh_process(*args: str, cwd=None) -> subprocess.CompletedProcess:
                           text=True, timeout=600, check=False)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_two_worker_text_run_prints_our_lines_only(tmp_path):
     """Ray Data tokenizes, transformers loads and saves the pretrained MiniLM, an embedded Ray

@@ -38,6 +38,7 @@ def _shell(command: str, folder: Path, env: dict) -> subprocess.CompletedProcess
                           text=True, timeout=600, check=False)
 
 
+@pytest.mark.long
 def test_the_readme_walk_from_an_empty_folder(tmp_path):
     folder = tmp_path / "my-project"
     folder.mkdir()

@@ -124,6 +124,7 @@ def test_each_worker_reads_the_rows_its_draws_put_in_each_step(ray_session, tmp_
             assert ids == drawn.tolist(), (rank, step)
 
 
+@pytest.mark.long
 def test_a_restarted_run_draws_the_same_rows_for_the_epoch_it_repeats(ray_session, tmp_path):
     """A worker fails in epoch 2 and the group restarts from epoch 1's checkpoint: the epoch
     run again samples exactly the rows the uninterrupted run sampled (the draws are keyed by

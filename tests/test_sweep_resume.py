@@ -89,6 +89,7 @@ def released(sweep: Path) -> dict[str, tuple[Counter, int]]:
     return found
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_same_command_continues_a_sweep_whose_driver_was_killed(tmp_path):
     temp = Path(tempfile.mkdtemp(prefix="rdp", dir="/tmp"))  # short: Ray's socket paths

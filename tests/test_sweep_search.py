@@ -181,6 +181,7 @@ def released_steps(directory) -> dict[str, int]:
     return released
 
 
+@pytest.mark.long
 def test_pbt_copies_between_two_worker_trials_and_counts_every_step(ray_session, tmp_path):
     """Synchronous PBT with 2-worker trials (they cannot run at once on the session's 4 CPUs:
     each pauses at the interval until the other gets there): the trial behind continues from
