@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from raydp_train.privacy.user_clipping import CONTRIBUTIONS
+from raydp_train.privacy.user_clipping import CONTRIBUTIONS, UNITS
 from raydp_train.privacy.user_sampling import (
     sample_user_rows,
     user_rows,
@@ -28,8 +28,6 @@ from raydp_train.privacy.user_sampling import (
 )
 from raydp_train.train import own_loop_rows as rows_
 from raydp_train.train.own_loop_arguments import PrivateStepError
-
-UNITS = ("example", "user")
 
 
 def check_unit(unit: str, rows_per_user, max_physical_batch: int,
