@@ -94,6 +94,8 @@ def describe(err: Any, root: type[BaseModel]) -> str:
         problem = ctx["error"]
         path = ".".join(p for p in (path, problem.field) if p)
         message = str(problem)
+    elif kind == "too_short" and ctx.get("min_length", 1) > 1:
+        message = f"needs at least {ctx['min_length']} entries, got {ctx.get('actual_length')}"
     elif kind in _MESSAGES:
         bounds = {k: show(v) for k, v in ctx.items()}  # 0.0 -> "0", as the user wrote it
         message = _MESSAGES[kind].format(got=show(err.get("input")), **bounds)

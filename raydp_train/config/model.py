@@ -17,6 +17,7 @@ NumClasses = Annotated[int | None, Field(ge=2)]  # None: inferred from the label
 # Widths and channels: a million is far beyond any model trained here, and int64-safe.
 Width = Annotated[int, Field(gt=0, le=1_000_000)]
 PositiveInts = Annotated[list[Width], Field(min_length=1)]
+LabelTexts = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=2)]
 
 
 class LogisticModel(Section):
@@ -104,7 +105,10 @@ class HFModel(Section):
     # L2-normalise the mean-pooled vector; null: as the checkpoint (a sentence-transformers
     # Normalize module in modules.json). Only with pooling mean.
     normalize: bool | None = None
-    head_init: Literal["default", "zeros"] = "default"  # zeros: the final Linear starts at 0
+    # zeros: the final Linear starts at 0; label_texts: at the pooled embeddings of
+    # label_texts, one public text per label in label order (a zero-shot classifier).
+    head_init: Literal["default", "zeros", "label_texts"] = "default"
+    label_texts: LabelTexts | None = None
 
     @model_validator(mode="after")
     def _a_model_source(self) -> HFModel:
@@ -117,7 +121,25 @@ class HFModel(Section):
             raise FieldProblem("normalizes the mean-pooled vector: only with pooling: mean",
                                "normalize")
         self._fits_task()
+        self._label_texts_fit()
         return self
+
+    def _label_texts_fit(self) -> None:
+        if (self.head_init == "label_texts") != (self.label_texts is not None):
+            raise FieldProblem("head_init: label_texts and label_texts go together: set both "
+                               "or neither", "label_texts")
+        if self.label_texts is None:
+            return
+        if self.num_labels is not None and len(self.label_texts) != self.num_labels:
+            raise FieldProblem(f"{len(self.label_texts)} texts for num_labels: "
+                               f"{self.num_labels}; give one per label, in label order",
+                               "label_texts")
+        if self.pooling == "cls":
+            raise FieldProblem("compares the mean-pooled sentence vector with each text's: "
+                               "only with pooling: mean", "head_init")
+        if self.name_or_path is None:
+            raise FieldProblem("embeds the texts with the checkpoint's tokenizer and weights: "
+                               "set name_or_path", "head_init")
 
     def _fits_task(self) -> None:
         """Classifier fields refused for causal_lm, and lm_loss for a classifier."""

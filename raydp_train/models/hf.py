@@ -23,6 +23,7 @@ from raydp_train.models.hf_heads import (
     resolve_pooling,
     unused_by_mean_pooling,
 )
+from raydp_train.models.label_text_head import check_label_texts, start_from_label_texts
 
 # Where a model's weights come from: the checkpoint, random initialization (the checkpoint's
 # config.json only), or nowhere (modules on the meta device: names, shapes and types).
@@ -74,6 +75,7 @@ def build_hf_model(config, num_labels: int, weights: Weights = "pretrained") -> 
     if model.config.pad_token_id is None:  # GPT-2 needs it to find each example's last token
         model.config.pad_token_id = 0
     pooling, normalize = resolve_pooling(config, folder)
+    check_label_texts(config, pooling, num_labels)
     head_name, head = classification_head(model, num_labels) if (
         pooling == "mean" or config.head_init != "default") else (None, None)
     if head is not None:
@@ -81,7 +83,10 @@ def build_hf_model(config, num_labels: int, weights: Weights = "pretrained") -> 
     unused = unused_by_mean_pooling(model, head_name) if pooling == "mean" else set()
     set_trainable(model, config.trainable, unused)
     pooling_head = MeanPoolingHead(head, normalize) if pooling == "mean" else None
-    return SequenceClassifier(model, pooling_head)
+    classifier = SequenceClassifier(model, pooling_head)
+    if config.head_init == "label_texts" and weights == "pretrained":
+        start_from_label_texts(classifier, config)
+    return classifier
 
 
 def transformers_model(auto_class: str, config, folder: str | None, weights: Weights,
