@@ -38,6 +38,12 @@ ADAMW = ["training.optimizer=adamw", "training.momentum=0", "training.lr=1e-3",
 # The head starts as a zero-shot classifier (texts chosen on dev among 5 pairs: 0.72 there).
 LABEL_HEAD = ["model.head_init=label_texts",
               "model.label_texts=[I hated this movie, I loved this movie]"]
+# Rank-4 adapters on every layer's query and value only (Hu et al.'s placement): 37,634
+# numbers trained, a ninth of lora-all's, so a third of its noise norm per step.
+QV_AND_HEAD = '["*attention.self.query.*", "*attention.self.value.*", "classifier.*"]'
+LORA_QV = [f"model.trainable={QV_AND_HEAD}", "training.cache_frozen_prefix=false",
+           "training.epochs=8", "privacy.lora.rank=4", "privacy.lora.alpha=8",
+           'privacy.lora.layers=["*query", "*value"]']
 FULL_FT = ["model.trainable=all", "training.cache_frozen_prefix=false", "training.batch_size=32",
            "training.max_physical_batch=32", "training.epochs=3"]
 # name: (pipeline, overrides, seeds)
@@ -62,6 +68,10 @@ VARIANTS = {
                             [*EPS3, *ALL_LAYERS, *LORA_R8, *ADAMW], SEED1),
     "lora-all-label-eps3": ("sst2_minilm_lora.yaml",
                             [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD], SEED1),
+    "lora-all-label-lr0.6-eps3": ("sst2_minilm_lora.yaml", [*EPS3, *ALL_LAYERS, *LORA_R8,
+                                                            *LABEL_HEAD, "training.lr=0.6"],
+                                  SEED1),
+    "lora-qv-label-eps3": ("sst2_minilm_lora.yaml", [*EPS3, *LORA_QV, *LABEL_HEAD], SEED1),
     "dpsgd-all-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, *ALL_LAYERS], SEED1),
     # The honest reference: every layer trained without privacy, its lr searched on dev (one
     # seed each); the chosen lr is sst2_minilm_full_nonprivate.yaml's, run on 3 seeds (its seed

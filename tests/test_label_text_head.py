@@ -65,8 +65,7 @@ def test_every_worker_builds_the_same_head_and_training_mode_is_kept():
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"head_init": "label_texts"}, "model.label_texts: head_init: label_texts and label_texts "
-                                   "go together"),
+    ({"head_init": "label_texts"}, "model.label_texts: head_init: label_texts and label_texts go"),
     ({"label_texts": ["bad", "good"]}, "model.label_texts: head_init: label_texts and"),
     ({"head_init": "label_texts", "label_texts": ["bad"]},
      "model.label_texts: needs at least 2 entries, got 1"),
