@@ -68,9 +68,6 @@ VARIANTS = {
                             [*EPS3, *ALL_LAYERS, *LORA_R8, *ADAMW], SEED1),
     "lora-all-label-eps3": ("sst2_minilm_lora.yaml",
                             [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD], SEED1),
-    "lora-all-label-lr0.6-eps3": ("sst2_minilm_lora.yaml", [*EPS3, *ALL_LAYERS, *LORA_R8,
-                                                            *LABEL_HEAD, "training.lr=0.6"],
-                                  SEED1),
     "lora-qv-label-eps3": ("sst2_minilm_lora.yaml", [*EPS3, *LORA_QV, *LABEL_HEAD], SEED1),
     "dpsgd-all-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, *ALL_LAYERS], SEED1),
     # The honest reference: every layer trained without privacy, its lr searched on dev (one

@@ -46,6 +46,9 @@ RUN_ELSEWHERE = {
     "training.cpus_per_worker": "a ScalingConfig's resources_per_worker: tests/test_ray_configs.py",
     "training.sharding": "fsdp: tests/test_sharding_worker.py (the worker loop on 2 Gloo ranks, "
                          "sharded equal to whole; a Ray Train run: benchmarks/RESULTS.md)",
+    "model.label_texts": "with head_init label_texts, a checkpoint's weights only (this "
+                         "file's hf run is random): tests/test_label_text_head.py, a run: "
+                         "benchmarks/sst2_accuracy.py (lora-all-label-eps3)",
     "model.task": "causal_lm: tests/test_causal_lm_run.py (a run on 2 workers, generate)",
     "model.lm_loss": "causal_lm only: tests/test_causal_lm_run.py",
     "model.factory": "model.kind torch: tests/test_custom_model.py (a run on 2 workers)",
@@ -177,8 +180,7 @@ def runs(files: Path, out: Path) -> dict[str, dict]:
                      "max_length": 8},
             "model": {"kind": "hf", "name_or_path": MINILM, "config": TINY_BERT,
                       "num_labels": 2, "pooling": "mean", "normalize": True,
-                      "head_init": "label_texts", "label_texts": ["awful", "lovely"],
-                      "trainable": {"last_k_layers": 1},
+                      "head_init": "zeros", "trainable": {"last_k_layers": 1},
                       "frozen_dtype": "bf16"},
             "privacy": privacy,
             "training": {"epochs": 1, "batch_size": 16, "lr": 0.1,

@@ -81,10 +81,12 @@ def test_bad_label_text_fields_are_refused_by_name(fields, message):
         pipeline_from_dict({"name": "x", "data": {"source": "synthetic"}, "model": section})
 
 
-def test_a_random_model_has_no_tokenizer_to_embed_the_texts():
-    with pytest.raises(ValueError, match="set name_or_path"):
-        HFModel(kind="hf", config={"model_type": "bert"}, num_labels=2, pooling="mean",
-                head_init="label_texts", label_texts=["bad", "good"])
+@pytest.mark.parametrize("source", [{"config": {"model_type": "bert"}},
+                                    {"config": {"model_type": "bert"}, "name_or_path": MINILM}])
+def test_a_random_model_has_no_embeddings_to_start_from(source):
+    with pytest.raises(ValueError, match="set name_or_path and leave config unset"):
+        HFModel(kind="hf", num_labels=2, pooling="mean", head_init="label_texts",
+                label_texts=["bad", "good"], **source)
 
 
 def test_label_count_is_checked_against_the_labels_the_data_gives():

@@ -137,9 +137,10 @@ class HFModel(Section):
         if self.pooling == "cls":
             raise FieldProblem("compares the mean-pooled sentence vector with each text's: "
                                "only with pooling: mean", "head_init")
-        if self.name_or_path is None:
-            raise FieldProblem("embeds the texts with the checkpoint's tokenizer and weights: "
-                               "set name_or_path", "head_init")
+        if self.name_or_path is None or self.config is not None:
+            raise FieldProblem("embeds the texts with a checkpoint's pretrained weights: set "
+                               "name_or_path and leave config unset (a model built from "
+                               "config is random)", "head_init")
 
     def _fits_task(self) -> None:
         """Classifier fields refused for causal_lm, and lm_loss for a classifier."""
