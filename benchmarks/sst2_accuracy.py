@@ -31,6 +31,7 @@ SEEDS3, SEED1 = (0, 1, 2), (0,)
 # Every encoder layer + head (the embeddings frozen), no prefix to cache, 8 epochs.
 ALL_LAYERS = ["model.trainable={last_k_layers: 6}", "training.cache_frozen_prefix=false",
               "training.epochs=8"]
+TRIM = ["training.trim_padding=true"]
 LORA_R8 = ["privacy.lora.rank=8", "privacy.lora.alpha=16"]
 # AdamW as Yu et al. train DP-LoRA: lr 1e-3, the new head's 1e-2.
 ADAMW = ["training.optimizer=adamw", "training.momentum=0", "training.lr=1e-3",
@@ -68,6 +69,11 @@ VARIANTS = {
                             [*EPS3, *ALL_LAYERS, *LORA_R8, *ADAMW], SEED1),
     "lora-all-label-eps3": ("sst2_minilm_lora.yaml",
                             [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD], SEED1),
+    # ... with smaller expected batches: more steps for the same epochs (and time).
+    **{f"lora-all-label-b{batch}-eps3": ("sst2_minilm_lora.yaml",
+                                         [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD, *TRIM,
+                                          f"training.batch_size={batch}"], SEED1)
+       for batch in (512, 256)},
     "lora-qv-label-eps3": ("sst2_minilm_lora.yaml", [*EPS3, *LORA_QV, *LABEL_HEAD], SEED1),
     "dpsgd-all-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, *ALL_LAYERS], SEED1),
     # The honest reference: every layer trained without privacy, its lr searched on dev (one

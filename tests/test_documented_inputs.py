@@ -184,7 +184,7 @@ def runs(files: Path, out: Path) -> dict[str, dict]:
                       "frozen_dtype": "bf16"},
             "privacy": privacy,
             "training": {"epochs": 1, "batch_size": 16, "lr": 0.1,
-                         "cache_frozen_prefix": True},
+                         "cache_frozen_prefix": True, "trim_padding": True},
             "run": {"output_dir": str(out / "text")},
         },
         "nonprivate": {

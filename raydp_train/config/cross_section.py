@@ -22,6 +22,10 @@ def check_across_sections(p) -> None:
     _check_task(p)
     _check_sampler(p)
     _check_unit(p)
+    if p.training.trim_padding and p.model.kind != "hf":
+        raise FieldProblem(f"needs model.kind hf (a model that reads the attention mask; "
+                           f"model.kind {p.model.kind} may need every data.max_length column): "
+                           "set it false", "training.trim_padding")
     if p.training.sharding == "fsdp":
         _check_sharding(p)
 
@@ -123,7 +127,8 @@ def _check_sharding(p) -> None:
                            "training.cache_frozen_prefix")
     not_yet = {"privacy.clipping": p.privacy.clipping == "adaptive",
                "privacy.unit": p.privacy.unit == "user",
-               "data.sampler": getattr(p.data, "sampler", "memory") == "streaming"}
+               "data.sampler": getattr(p.data, "sampler", "memory") == "streaming",
+               "training.trim_padding": p.training.trim_padding}
     for field, sharded_not_checked in not_yet.items():
         if sharded_not_checked:
             raise FieldProblem("not with training.sharding: fsdp yet (not checked sharded): use "

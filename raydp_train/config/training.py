@@ -50,6 +50,9 @@ class TrainingConfig(Section):
     warmup_fraction: float | None = Field(None, ge=0, le=1)
     # hf models: compute the frozen layers below the first trained one once per example
     cache_frozen_prefix: bool = False
+    # hf models: order each step's sample by text length before cutting it into micro-batches,
+    # each cut to its longest text (the same clipped sum over fewer padding positions)
+    trim_padding: bool = False
     workers: int = Field(1, ge=1)  # Ray Train workers, each clipping its own shard
     # where the workers go on a cluster: pack (Ray's default: fill a node first), spread (over
     # the nodes when it can), strict_spread (each on a different node, or the run waits)

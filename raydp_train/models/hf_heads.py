@@ -116,7 +116,11 @@ class MeanPoolingHead(nn.Module):
         self.normalize = normalize
 
     def forward(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.linear(self.pooled(hidden, attention_mask))
+
+    def pooled(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
+        """The vector the final Linear reads: the masked mean, normalised if it was."""
         pooled = mean_pool(hidden, attention_mask)
         if self.normalize:
             pooled = nn.functional.normalize(pooled, dim=-1)
-        return self.linear(pooled)
+        return pooled

@@ -8,10 +8,9 @@ public, written by the user; no training example is read, so nothing is spent.
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from raydp_train.models.hf_files import HFModelError, load_tokenizer
-from raydp_train.models.hf_heads import mean_pool
 
 # logits = SCALE x cosine similarity: the scale sentence-transformers' contrastive losses
 # train their embeddings with, so similarities a few hundredths apart give logits apart by ~1.
@@ -45,7 +44,7 @@ def start_from_label_texts(classifier: nn.Module, config) -> None:
         with torch.no_grad():
             hidden = model.base_model(input_ids=ids, attention_mask=mask,
                                       position_ids=classifier.position_ids(ids)).last_hidden_state
-            embeddings = _pooled(classifier, hidden.to(head.weight.dtype), mask)
+            embeddings = classifier.pooling_head.pooled(hidden.to(head.weight.dtype), mask)
             scale = SIMILARITY_SCALE / embeddings.pow(2).sum(1).mean().clamp(min=1e-12)
             head.weight.copy_(scale * embeddings)
             if head.bias is not None:
@@ -53,9 +52,3 @@ def start_from_label_texts(classifier: nn.Module, config) -> None:
     finally:
         model.train(was_training)
 
-
-def _pooled(classifier: nn.Module, hidden: Tensor, mask: Tensor) -> Tensor:
-    pooled = mean_pool(hidden, mask)
-    if classifier.pooling_head.normalize:
-        pooled = nn.functional.normalize(pooled, dim=-1)
-    return pooled

@@ -4,7 +4,8 @@ with users (privacy.unit user) draws this rank's users, up to `rows_per_user` ro
 user whole in one micro-batch (§2.14);
 `StreamingSampler` reads the rows each step drew from a training file no worker holds whole
 (§2.13). Both give every step of the run, an empty one as no micro-batch: the rank still takes
-part in the step's all-reduce."""
+part in the step's all-reduce. With `training.trim_padding` each micro-batch of texts holds
+texts of similar length, cut to its longest (train/length_batches.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from raydp_train.privacy.user_sampling import (
     user_rows,
     whole_user_micro_batches,
 )
+from raydp_train.train.length_batches import ordered_by_length, token_counts, trimmed
 
 
 class MemorySampler:
@@ -29,12 +31,14 @@ class MemorySampler:
     name = "memory"
 
     def __init__(self, local, prefix_outputs, generator: torch.Generator, sampling_rate: float,
-                 max_physical_batch: int, device, rows_per_user: int | None = None):
+                 max_physical_batch: int, device, rows_per_user: int | None = None,
+                 trim_padding: bool = False):
         self.local, self.prefix_outputs, self.generator = local, prefix_outputs, generator
         self.sampling_rate, self.size, self.device = sampling_rate, max_physical_batch, device
         users = getattr(local, "train_users", None)
         self.users = None if users is None else user_rows(users)
         self.rows_per_user = rows_per_user
+        self.widths = token_counts(local.train_features) if trim_padding else None
 
     @property
     def num_rows(self) -> int:
@@ -49,15 +53,20 @@ class MemorySampler:
         frozen prefix is cached."""
         if self.users is None:
             sample = poisson_sample(self.num_rows, self.sampling_rate, self.generator)
+            if self.widths is not None:
+                sample = ordered_by_length(sample, self.widths)
             chunks = [(rows, None) for rows in micro_batches(sample, self.size)]
-        else:
+        else:  # every user whole in one micro-batch: trimmed, not reordered
             rows, users = sample_user_rows(self.users, self.sampling_rate, self.rows_per_user,
                                            self.generator)
             chunks = whole_user_micro_batches(rows, users, self.size)
         for rows, users in chunks:
-            features = self.local.train_features[rows].to(self.device)
+            features = self.local.train_features[rows]
             if self.prefix_outputs is not None:
-                features = (features, self.prefix_outputs[rows].to(self.device))
+                features = (features, self.prefix_outputs[rows])
+            if self.widths is not None:
+                features = trimmed(features, int(self.widths[rows].max()))
+            features = _to(features, self.device)
             batch = (features, self.local.train_labels[rows].to(self.device))
             yield batch if users is None else (*batch, users.to(self.device))
 
@@ -71,6 +80,7 @@ class StreamingSampler:
 
     def __init__(self, pipeline, sampling_rate: float, num_examples: int, context, seed: int,
                  labels_as: tuple):
+        self.trim_padding = pipeline.training.trim_padding
         from raydp_train.data.streaming import read_columns, worker_rows
         from raydp_train.models.hf_files import tokenizer_source
 
@@ -103,8 +113,22 @@ class StreamingSampler:
         features, labels = shard_rows(table, self.data, self.path, self.tokenizer)
         features = torch.as_tensor(np.ascontiguousarray(features))
         labels = torch.as_tensor(np.asarray(labels).astype(self.labels_as[0]))
-        for rows in micro_batches(torch.arange(table.num_rows), self.size):
-            yield features[rows].to(self.device), labels[rows].to(self.device)
+        rows = torch.arange(table.num_rows)
+        widths = token_counts(features) if self.trim_padding else None
+        if widths is not None:
+            rows = ordered_by_length(rows, widths)
+        for chunk in micro_batches(rows, self.size):
+            chunk_features = features[chunk]
+            if widths is not None:
+                chunk_features = trimmed(chunk_features, int(widths[chunk].max()))
+            yield chunk_features.to(self.device), labels[chunk].to(self.device)
+
+
+def _to(features, device):
+    """`features` (a tensor, or a tuple of them) on `device`."""
+    if isinstance(features, tuple):
+        return tuple(part.to(device) for part in features)
+    return features.to(device)
 
 
 def make_sampler(kind: str, run, shared_seed: int):
@@ -119,4 +143,4 @@ def make_sampler(kind: str, run, shared_seed: int):
                                 run.context, shared_seed, labels_as)
     return MemorySampler(run.local, run.prefix_outputs, run.sampling_generator,
                          plan.sampling_rate, training.max_physical_batch, run.context.device,
-                         plan.rows_per_user)
+                         plan.rows_per_user, training.trim_padding)
