@@ -69,11 +69,24 @@ VARIANTS = {
                             [*EPS3, *ALL_LAYERS, *LORA_R8, *ADAMW], SEED1),
     "lora-all-label-eps3": ("sst2_minilm_lora.yaml",
                             [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD], SEED1),
-    # ... with smaller expected batches: more steps for the same epochs (and time).
-    **{f"lora-all-label-b{batch}-eps3": ("sst2_minilm_lora.yaml",
-                                         [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD, *TRIM,
-                                          f"training.batch_size={batch}"], SEED1)
-       for batch in (512, 256)},
+    # ... the label-text head at the adapters' lr (it starts trained), and smaller expected
+    # batches (more steps for the same epochs and time) at lower lrs.
+    **{f"lora-all-label-b{batch}-lr{lr}-eps3": (
+        "sst2_minilm_lora.yaml", [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD, *TRIM,
+                                  f"training.batch_size={batch}", f"training.lr={lr}",
+                                  f"training.param_groups[0].lr={lr}"], SEED1)
+       for batch, lr in ((1024, 0.3), (512, 0.3), (256, 0.15))},
+    "lora-all-label-b512-lr0.3-linear-eps3": (
+        "sst2_minilm_lora.yaml", [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD, *TRIM,
+                                  "training.batch_size=512", "training.lr=0.3",
+                                  "training.param_groups[0].lr=0.3", "training.schedule=linear"],
+        SEED1),
+    # The epsilon-3 choice on dev at epsilon 8 and 1.
+    **{f"lora-all-label-lr0.3-eps{eps}": (
+        "sst2_minilm_lora.yaml", [f"privacy.target_epsilon={eps}", *ALL_LAYERS, *LORA_R8,
+                                  *LABEL_HEAD, *TRIM, "training.lr=0.3",
+                                  "training.param_groups[0].lr=0.3"], SEED1)
+       for eps in (8, 1)},
     "lora-qv-label-eps3": ("sst2_minilm_lora.yaml", [*EPS3, *LORA_QV, *LABEL_HEAD], SEED1),
     "dpsgd-all-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, *ALL_LAYERS], SEED1),
     # The honest reference: every layer trained without privacy, its lr searched on dev (one
