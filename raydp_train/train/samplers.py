@@ -80,7 +80,6 @@ class StreamingSampler:
 
     def __init__(self, pipeline, sampling_rate: float, num_examples: int, context, seed: int,
                  labels_as: tuple):
-        self.trim_padding = pipeline.training.trim_padding
         from raydp_train.data.streaming import read_columns, worker_rows
         from raydp_train.models.hf_files import tokenizer_source
 
@@ -89,6 +88,7 @@ class StreamingSampler:
         self.rows = worker_rows(num_examples, context.world_size, context.rank)
         self.sampling_rate, self.seed, self.labels_as = sampling_rate, seed, labels_as
         self.size, self.device = pipeline.training.max_physical_batch, context.device
+        self.trim_padding = pipeline.training.trim_padding
         self.steps: Iterator | None = None
 
     @property
