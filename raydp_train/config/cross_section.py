@@ -4,6 +4,7 @@ fields, the sampler, the privacy unit and sharding, each refused by the field to
 
 from __future__ import annotations
 
+from raydp_train.accounting.epsilon import PLD_MIN_NOISE_MULTIPLIER
 from raydp_train.config.data import streaming_refusal
 from raydp_train.config.errors import FieldProblem
 from raydp_train.config.model import is_causal_lm
@@ -22,12 +23,28 @@ def check_across_sections(p) -> None:
     _check_task(p)
     _check_sampler(p)
     _check_unit(p)
+    _check_pld_noise(p)
     if p.training.trim_padding and p.model.kind != "hf":
         raise FieldProblem(f"needs model.kind hf (a model that reads the attention mask; "
                            f"model.kind {p.model.kind} may need every data.max_length column): "
                            "set it false", "training.trim_padding")
     if p.training.sharding == "fsdp":
         _check_sharding(p)
+
+
+def _check_pld_noise(p) -> None:
+    """The pld accountant (privacy's or the budget's) only where its grid fits in memory."""
+    pld = [f"{name}.accountant" for name, section in (("privacy", p.privacy), ("budget", p.budget))
+           if getattr(section, "accountant", None) == "pld"]
+    validation = getattr(p.data, "validation", None)
+    given = {"privacy.noise_multiplier": p.privacy.noise_multiplier,
+             "data.validation.noise_multiplier": getattr(validation, "noise_multiplier", None)}
+    for field, sigma in given.items():
+        if pld and sigma is not None and sigma < PLD_MIN_NOISE_MULTIPLIER:
+            raise FieldProblem(
+                f"{sigma:g} is below {PLD_MIN_NOISE_MULTIPLIER}, the smallest the pld "
+                f"accountant ({pld[0]}) can account in memory: raise it, or set {pld[0]}: rdp",
+                field)
 
 
 def _check_sampler(p) -> None:

@@ -82,7 +82,9 @@ def print_summary(record: dict, path) -> None:
         print(f"  of those steps        {privacy['steps_run_again']} ran again after a restart "
               "(released twice, with new noise: both count)")
     print(f"  RDP accountant        epsilon {privacy['epsilon_rdp']:.4f}")
-    print(f"  PLD accountant        epsilon {privacy['epsilon_pld']:.4f}")
+    pld = privacy["epsilon_pld"]
+    print("  PLD accountant        " + (f"epsilon {pld:.4f}" if pld is not None else
+                                       "not computed (sigma below its smallest, 0.3)"))
     print(f"  rough estimate        epsilon {privacy['rough_epsilon_estimate']:.4f} "
           "(q*sqrt(T ln(1/delta))/sigma; not a guarantee)")
     if not privacy["private"]:

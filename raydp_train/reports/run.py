@@ -50,7 +50,7 @@ def privacy_statement(plan: PrivacyPlan, result, workers: int) -> dict:
         "delta": plan.delta,
         "accountant": plan.accountant,
         "epsilon_rdp": plan.epsilon(steps_charged, "rdp", releases),
-        "epsilon_pld": plan.epsilon(steps_charged, "pld", releases),
+        "epsilon_pld": plan.reported_epsilon(steps_charged, "pld", releases),
         "rough_epsilon_estimate": plan.rough_epsilon(),
         "sampling_rate": plan.sampling_rate,
         "noise_multiplier": plan.noise_multiplier,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raydp_train.accounting.epsilon import (
+    PLD_MIN_NOISE_MULTIPLIER,
     calibrate_noise_multiplier,
     composed_epsilon,
     rough_epsilon_estimate,
@@ -73,6 +74,14 @@ class PrivacyPlan:
             return 0.0
         event = self.spend(steps, releases).dp_event()
         return composed_epsilon([event], self.delta, accountant or self.accountant)
+
+    def reported_epsilon(self, steps: int, accountant: str, releases: int) -> float | None:
+        """As `epsilon`, or None for the pld accountant below its smallest noise multiplier
+        (the run's own accountant, checked before training, always reports)."""
+        noises = [self.noise_multiplier, *([self.release_noise_multiplier] if releases else [])]
+        if accountant == "pld" and self.private and min(noises) < PLD_MIN_NOISE_MULTIPLIER:
+            return None
+        return self.epsilon(steps, accountant, releases)
 
     def spend(self, steps: int, releases: int) -> Spend:
         """A budget reservation for `steps` training steps and `releases` metric releases."""

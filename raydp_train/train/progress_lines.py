@@ -52,8 +52,10 @@ class RowReader:
 def tracked_privacy(plan: PrivacyPlan, charged: Charged, budget) -> dict[str, float]:
     """What `run.loggers` adds to an epoch's row: epsilon so far by both accountants, and the
     global budget's epsilon left when the run spends from one."""
-    row = {f"epsilon_{accountant}": plan.epsilon(charged.steps, accountant, charged.releases)
+    row = {f"epsilon_{accountant}": plan.reported_epsilon(charged.steps, accountant,
+                                                          charged.releases)
            for accountant in ("rdp", "pld")}
+    row = {name: value for name, value in row.items() if value is not None}
     if budget is not None:
         row["budget_epsilon_left"] = budget.status()["epsilon_remaining"]
     return row
