@@ -75,20 +75,55 @@ VARIANTS = {
         "sst2_minilm_lora.yaml", [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD, *TRIM,
                                   f"training.batch_size={batch}", f"training.lr={lr}",
                                   f"training.param_groups[0].lr={lr}"], SEED1)
-       for batch, lr in ((1024, 0.3), (512, 0.3), (256, 0.15))},
+       for batch, lr in ((1024, 0.3), (512, 0.3), (256, 0.15), (1024, 0.6))},
     "lora-all-label-b512-lr0.3-linear-eps3": (
         "sst2_minilm_lora.yaml", [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD, *TRIM,
                                   "training.batch_size=512", "training.lr=0.3",
                                   "training.param_groups[0].lr=0.3", "training.schedule=linear"],
         SEED1),
+    # The adapters' A matrices kept at their random start (a learning rate of 1e-9; FFA-LoRA,
+    # Sun et al. 2024): the noise then enters the update B A through B alone, not also as
+    # the product of two noisy matrices.
+    **{f"lora-all-label-b{batch}-lr{lr}-frozen-a-eps3": (
+        "sst2_minilm_lora.yaml", [*EPS3, *ALL_LAYERS, *LORA_R8, *LABEL_HEAD, *TRIM,
+                                  f"training.batch_size={batch}", f"training.lr={lr}",
+                                  (f"training.param_groups=[{{params: [classifier.*], lr: {lr}}}, "
+                                   "{params: ['*lora_A'], lr: 1e-9}]")], SEED1)
+       for batch, lr in ((1024, 0.3), (512, 0.3), (1024, 0.6))},
     # The epsilon-3 choice on dev at epsilon 8 and 1.
     **{f"lora-all-label-lr0.3-eps{eps}": (
         "sst2_minilm_lora.yaml", [f"privacy.target_epsilon={eps}", *ALL_LAYERS, *LORA_R8,
                                   *LABEL_HEAD, *TRIM, "training.lr=0.3",
                                   "training.param_groups[0].lr=0.3"], SEED1)
        for eps in (8, 1)},
+    # The dev choice without noise (clipped at C only): how far its 54 steps can go at all.
+    "lora-all-label-lr0.3-noiseless": (
+        "sst2_minilm_lora.yaml", ["privacy.target_epsilon=null", "privacy.noise_multiplier=0.001",
+                                  *ALL_LAYERS, *LORA_R8, *LABEL_HEAD, *TRIM, "training.lr=0.3",
+                                  "training.param_groups[0].lr=0.3"], SEED1),
     "lora-qv-label-eps3": ("sst2_minilm_lora.yaml", [*EPS3, *LORA_QV, *LABEL_HEAD], SEED1),
     "dpsgd-all-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, *ALL_LAYERS], SEED1),
+    # DP-SGD on every layer with the label-text head, all at the pretrained layers' lr.
+    "dpsgd-all-label-eps3": ("sst2_minilm_dpsgd.yaml",
+                             [*EPS3, *ALL_LAYERS, *LABEL_HEAD, *TRIM,
+                              "training.param_groups[0].lr=0.1"], SEED1),
+    **{f"dpsgd-all-label-lr{lr}-eps{eps}": (
+        "sst2_minilm_dpsgd.yaml", [f"privacy.target_epsilon={eps}", *ALL_LAYERS, *LABEL_HEAD,
+                                   *TRIM, f"training.lr={lr}", f"training.param_groups[0].lr={lr}"],
+        SEED1)
+       for lr, eps in ((0.2, 3), (0.1, 8))},
+    # ... twice the epochs (108 steps, sigma 2.541): epsilon 8 read like epsilon 3 after
+    # every epoch, so the steps, not the noise, held it back.
+    "dpsgd-all-label-e16-eps3": (
+        "sst2_minilm_dpsgd.yaml", [*EPS3, *ALL_LAYERS, *LABEL_HEAD, *TRIM,
+                                   "training.param_groups[0].lr=0.1", "training.epochs=16"],
+        SEED1),
+    # ... with sigma calibrated by PLD (7% less noise than RDP's at the same epsilon).
+    **{f"dpsgd-all-label-lr{lr}-pld-eps{eps}": (
+        "sst2_minilm_dpsgd.yaml", [f"privacy.target_epsilon={eps}", "privacy.accountant=pld",
+                                   *ALL_LAYERS, *LABEL_HEAD, *TRIM, f"training.lr={lr}",
+                                   f"training.param_groups[0].lr={lr}"], SEED1)
+       for lr, eps in ((0.1, 1),)},
     # The honest reference: every layer trained without privacy, its lr searched on dev (one
     # seed each); the chosen lr is sst2_minilm_full_nonprivate.yaml's, run on 3 seeds (its seed
     # 0 is the search's run at that lr: the same configuration).
