@@ -150,11 +150,9 @@ def calibrate_noise_multiplier(
     steps: int,
     accountant: Accountant = "rdp",
 ) -> float:
-    """The smallest noise multiplier sigma with ``epsilon_spent(q, sigma, steps, delta) <= target``.
-
-    Solved by ``dp_accounting.mechanism_calibration.calibrate_dp_mechanism`` (Brent's method,
-    tolerance ~1e-8 relative in sigma) on a bracket found by doubling/halving from the rough
-    estimate; the result's epsilon is at most the target and within 1e-3 of it."""
+    """The smallest sigma with ``epsilon_spent(q, sigma, steps, delta) <= target``: dp-accounting's
+    ``calibrate_dp_mechanism`` (Brent's method, ~1e-8 relative in sigma) on a bracket found by
+    doubling or halving from the rough estimate; epsilon is at most the target, within 1e-3."""
     from dp_accounting import mechanism_calibration
 
     _check_common(sampling_rate, delta, steps)
