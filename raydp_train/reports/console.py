@@ -3,6 +3,8 @@ the CLI and by the Python API's defaults."""
 
 from __future__ import annotations
 
+from raydp_train.accounting.epsilon import PLD_MIN_NOISE_MULTIPLIER
+
 
 def epoch_printer(epochs: int):
     """Each epoch's row, ending in the epoch's own time and the time since the workers
@@ -84,7 +86,8 @@ def print_summary(record: dict, path) -> None:
     print(f"  RDP accountant        epsilon {privacy['epsilon_rdp']:.4f}")
     pld = privacy["epsilon_pld"]
     print("  PLD accountant        " + (f"epsilon {pld:.4f}" if pld is not None else
-                                       "not computed (sigma below its smallest, 0.3)"))
+                                       "not computed (sigma below its smallest, "
+                                       f"{PLD_MIN_NOISE_MULTIPLIER})"))
     print(f"  rough estimate        epsilon {privacy['rough_epsilon_estimate']:.4f} "
           "(q*sqrt(T ln(1/delta))/sigma; not a guarantee)")
     if not privacy["private"]:
