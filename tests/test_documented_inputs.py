@@ -261,7 +261,14 @@ def test_predict_reproduces_the_runs_test_accuracy(kind, documented_run, tmp_pat
     test = pq.read_table(test_file)
     recorded = json.loads((run_dir / "record.json").read_text())["metrics"][-1]["test_accuracy"]
     result = predict(run_dir, test_file)
-    assert result.accuracy == pytest.approx(recorded, abs=1e-6)
+    # Rows whose two best logits tie within rounding may flip between the run's evaluation
+    # (its batches, trimmed padding, cached prefix) and predict's; every other row must agree.
+    # A bf16 frozen base rounds to 2**-8 of each value, float32 to about 1e-7.
+    relative = 2.0 ** -5 if pipeline["model"].get("frozen_dtype") == "bf16" else 1e-5
+    best_two = np.sort(result.outputs, axis=1)[:, -2:]
+    tolerance = relative * float(np.abs(result.outputs).max())
+    near_ties = int((best_two[:, 1] - best_two[:, 0] < tolerance).sum())
+    assert abs(result.accuracy - recorded) <= near_ties / test.num_rows + 1e-6
     assert len(result.classes) == test.num_rows
     assert not load_model(run_dir).training
 

@@ -46,6 +46,7 @@ class Predictions:
     # (multi_hot)
     classes: np.ndarray
     metrics: dict[str, float]  # against the file's labels ({} if it has none): accuracy, mse
+    outputs: np.ndarray | None = None  # [N, K] the model's raw outputs (logits, values)
 
     @property
     def accuracy(self) -> float | None:
@@ -123,8 +124,8 @@ def predict(run_dir: Path, data) -> Predictions:
     labels = dataset.test_labels
     scored = labelled and len(labels) > 0
     metrics = kind.metrics(kind.score(outputs, labels), "test") if scored else {}
-    return Predictions(kind.predict(outputs).numpy(),
-                       {name.removeprefix("test_"): value for name, value in metrics.items()})
+    named = {name.removeprefix("test_"): value for name, value in metrics.items()}
+    return Predictions(kind.predict(outputs).numpy(), named, outputs.float().numpy())
 
 
 def _column(predicted: np.ndarray):
