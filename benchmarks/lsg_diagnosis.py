@@ -2,7 +2,7 @@
 one knob changed at a time, scored on the public dev split (never the test split).
 
 Each variant is a list of `--set` overrides on top of a pipeline on its last layer + head (the
-recipe the diagnosis was run on: sst2_accuracy.LAST_LAYER); every run uses the first
+recipe the diagnosis was run on: sst2_variants.LAST_LAYER); every run uses the first
 --rows training sentences, training.cache_frozen_prefix, seed 0, world size 1, no Ray. Besides
 dev accuracy it reports how the adapted weights moved: the spectral norm of the update
 ||W_T - W_0||_2 and its stable rank ||.||_F^2 / ||.||_2^2 (a rank-r update has stable rank <= r),
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from prefix_cache import tokenized
-from sst2_accuracy import LAST_LAYER
+from sst2_variants import LAST_LAYER
 
 from raydp_train.config.pipeline import load_pipeline
 from raydp_train.data.sources import Dataset

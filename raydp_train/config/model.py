@@ -109,6 +109,9 @@ class HFModel(Section):
     # label_texts, one public text per label in label order (a zero-shot classifier).
     head_init: Literal["default", "zeros", "label_texts"] = "default"
     label_texts: LabelTexts | None = None
+    # Every dropout probability of the model (its config's and its Dropout modules'); null:
+    # the checkpoint's. 0 turns dropout off, as private fine-tuning often does.
+    dropout: float | None = Field(None, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _a_model_source(self) -> HFModel:

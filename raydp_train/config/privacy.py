@@ -42,7 +42,7 @@ class LoraConfig(Section):
             raise FieldProblem(
                 f"only 0, got {show(value)}: each adapter is folded into its layer's one "
                 "matmul, y = x (W + (alpha / r) B A)^T + b, so the adapter has no input of its "
-                "own to drop (the model's own dropout still applies)")
+                "own to drop (the model's own dropout still applies: model.dropout)")
         return value
 
 

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from raydp_train.models.hf_dropout import dropout_options, set_dropout_modules
 from raydp_train.models.hf_files import HFModelError, resolve_name_or_path
 from raydp_train.models.hf_heads import (
     MeanPoolingHead,
@@ -93,32 +94,35 @@ def transformers_model(auto_class: str, config, folder: str | None, weights: Wei
                        **options):
     """`auto_class` (a transformers Auto* name) random from `model.config`, pretrained from
     `folder`, or from the checkpoint's config.json with random weights or none (on the meta
-    device); `options` (num_labels) go to its config."""
+    device); `options` (num_labels) and `model.dropout` go to its config."""
     import transformers
 
     model_class = getattr(transformers, auto_class)
     if config.config is not None:  # random initialization, e.g. tiny models in tests
         hf_config = transformers.AutoConfig.for_model(**{**config.config, **options})
-    elif weights == "pretrained":
-        try:
-            model, loading = model_class.from_pretrained(folder, output_loading_info=True,
-                                                         **options)
-        except (OSError, ValueError) as error:
-            raise HFModelError(f"model.name_or_path: cannot load {folder!r}: {error}") from error
-        # Not in the checkpoint, so initialized here (e.g. a new head or pooler): what an
-        # adapter must carry for the checkpoint plus the adapter to be this model (lora.py).
-        model.newly_initialized = sorted(loading["missing_keys"])
-        return model
     else:
         try:
             hf_config = transformers.AutoConfig.from_pretrained(folder, **options)
         except (OSError, ValueError) as error:
             raise HFModelError(f"model.name_or_path: cannot read the config of {folder!r}: "
                                f"{error}") from error
-    if weights != "meta":
-        return model_class.from_config(hf_config)
-    with torch.device("meta"):
-        return model_class.from_config(hf_config)
+    hf_config.update(dropout_options(hf_config, config.dropout))
+    if config.config is None and weights == "pretrained":
+        try:
+            model, loading = model_class.from_pretrained(folder, config=hf_config,
+                                                         output_loading_info=True)
+        except (OSError, ValueError) as error:
+            raise HFModelError(f"model.name_or_path: cannot load {folder!r}: {error}") from error
+        # Not in the checkpoint, so initialized here (e.g. a new head or pooler): what an
+        # adapter must carry for the checkpoint plus the adapter to be this model (lora.py).
+        model.newly_initialized = sorted(loading["missing_keys"])
+    elif weights != "meta":
+        model = model_class.from_config(hf_config)
+    else:
+        with torch.device("meta"):
+            model = model_class.from_config(hf_config)
+    set_dropout_modules(model, config.dropout)
+    return model
 
 
 def check_positions(model: nn.Module, max_length: int) -> None:
