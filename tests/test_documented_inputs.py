@@ -181,7 +181,7 @@ def runs(files: Path, out: Path) -> dict[str, dict]:
             "model": {"kind": "hf", "name_or_path": MINILM, "config": TINY_BERT,
                       "num_labels": 2, "pooling": "mean", "normalize": True,
                       "head_init": "zeros", "trainable": {"last_k_layers": 1},
-                      "frozen_dtype": "bf16"},
+                      "frozen_dtype": "bf16", "dropout": 0.0},
             "privacy": privacy,
             "training": {"epochs": 1, "batch_size": 16, "lr": 0.1,
                          "cache_frozen_prefix": True, "trim_padding": True},
