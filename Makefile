@@ -19,8 +19,9 @@ run: $(STAMP)
 # The package is installed editable, so pip compiles none of it: compiled here, each of the
 # suite's hundreds of processes (Ray's workers included) reads it instead of compiling it
 # again where PYTHONDONTWRITEBYTECODE is set (0.1 CPU s a process; benchmarks/RESULTS.md).
-# The end-to-end checks of minutes whose paths shorter tests also take (marked `long`) run in
-# `make test-long`, which CI runs after `make test`: `make test` keeps its 20 minutes.
+# The end-to-end checks of a minute or more on 2 cores (marked `long`; the shorter test that
+# keeps each guarantee in `make test` is named beside the mark) run in `make test-long`,
+# which CI runs after `make test`: `make test` keeps its 20 minutes.
 TEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=0 \
 	--durations-min=10

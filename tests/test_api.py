@@ -52,6 +52,7 @@ def test_the_readme_python_block_runs_as_written(ray_session, tmp_path, monkeypa
     assert f"{result.status} {result.epsilon} " in output
 
 
+@pytest.mark.long  # make test: the README's block above and test_the_cli_spends_what_the_api_does
 def test_the_guides_python_block_runs_as_written(ray_session, tmp_path, monkeypatch):
     namespace, output = _run_block(GUIDE, "python api guide", tmp_path, monkeypatch)
     result = namespace["result"]

@@ -70,6 +70,9 @@ def test_accountants_of_two_local_clusters_grant_exactly_what_fits(tmp_path, kil
         assert answers[0]["killed_pid"]
 
 
+# make test: the same race of two processes' Rays on one ledger:
+# test_accountants_of_two_local_clusters_grant_exactly_what_fits
+@pytest.mark.long
 def test_two_embedded_runs_started_together_grant_exactly_what_fits(tmp_path):
     # Quickstart at batch 80 of its 800 examples: q = 0.1, 10 steps an epoch, one epoch a
     # reservation, so every reservation is the same and the budget fits exactly `fits` epochs.

@@ -188,6 +188,9 @@ def test_random_stopping_sweep_is_one_reservation_made_before_its_trials(ray_ses
     assert summary["privacy"]["epsilon"] == pytest.approx(rows[1]["running_epsilon"])
 
 
+# make test: test_ledger_witness.py's test_a_ledger_restored_from_an_older_copy_is_refused_
+# before_any_grant (the accountant and validate's read of the book refuse it)
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_ledger_restored_from_an_older_copy_grants_nothing(ray_session, tmp_path, capsys):
     """The restore-from-copy reproduction: the ledger copied after one run, a second run, the copy put

@@ -30,6 +30,9 @@ def _sentences(path, rows: int) -> None:
                                           for i in range(rows)]}), path)
 
 
+# make test: test_causal_lm.py (the loss, its clipping, perplexity), test_hf.py's run on 2
+# workers
+@pytest.mark.long
 @pytest.mark.slow
 def test_two_workers_train_save_and_generate(ray_session, tmp_path, capsys):
     _sentences(tmp_path / "train.parquet", 80)

@@ -53,6 +53,9 @@ def _jobs_seen_by(head) -> int:
     return len(json.loads(listed.stdout))
 
 
+# make test: every embedded run starts its own Ray (ensure_ray's address "local"); the head
+# fixture still starts for the two tests below
+@pytest.mark.long
 def test_an_embedded_run_beside_a_head_node_does_not_join_it(head, tmp_path):
     before = _jobs_seen_by(head)
     # The head's address file is where this run's Ray looks (RAY_TMPDIR): a plain ray.init()

@@ -132,6 +132,9 @@ def test_the_shipped_lstm_classifiers_clipped_sum_is_the_per_example_loops():
         assert_engine_is_the_per_example_loop(model, losses, inputs, labels, clip_norm)
 
 
+# make test: test_the_user_models_clipped_sum_is_the_per_example_loops, test_custom_model.py's
+# run on 2 workers, test_per_example_path.py's self-check on every step
+@pytest.mark.long
 def test_the_user_model_trains_on_two_workers_with_the_self_check_on(ray_session, tmp_path):
     (tmp_path / "layers.py").write_text(USER_MODEL)
     (tmp_path / "p.yaml").write_text(PIPELINE + f"run: {{output_dir: {tmp_path / 'runs'}}}\n")

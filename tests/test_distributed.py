@@ -121,6 +121,9 @@ def test_worker_failure_resumes_and_counts_every_step_run(ray_session, tmp_path)
     assert [r["epoch"] for r in result.metrics] == [1, 2, 3]
 
 
+# make test: test_charges.py's test_run_account_never_charges_past_its_epsilon_cap and the
+# restart of test_worker_failure_resumes_and_counts_every_step_run
+@pytest.mark.long
 def test_a_restart_never_takes_a_calibrated_run_past_its_target_epsilon(ray_session, tmp_path):
     """The restart after a crash in epoch 2 (5 of its steps released) charges epoch 2 again;
     the third epoch would then pass privacy.target_epsilon, so the run stops after the
@@ -138,6 +141,9 @@ def test_a_restart_never_takes_a_calibrated_run_past_its_target_epsilon(ray_sess
     assert [r["epoch"] for r in result.metrics] == [1, 2]
 
 
+# make test: test_charges.py's test_a_run_under_a_reservation_made_elsewhere_never_charges_
+# past_it and the restart of test_worker_failure_resumes_and_counts_every_step_run
+@pytest.mark.long
 def test_a_restart_never_takes_a_random_stopping_trial_past_its_reservation(ray_session,
                                                                             tmp_path):
     """A sweep's one reservation pays for each trial's planned steps (fixed sigma: no target
@@ -180,6 +186,9 @@ def test_cli_run_on_ray_then_report(ray_session, tmp_path, capsys):
     assert record["baselines"] == {"chance": 0.5, "test_majority_class": 0.5}
 
 
+# make test: test_worker_failure_resumes_and_counts_every_step_run (the checkpoint, every step
+# counted), test_optim.py's test_schedule_state_survives_resume
+@pytest.mark.long
 def test_interrupted_run_resumes_from_its_last_checkpoint(ray_session, tmp_path):
     """A run that failed for good (no restarts left) continues with `fit` on the same run dir,
     as `raydp-train run --resume RUN_DIR` does, and still counts the lost steps."""

@@ -31,7 +31,8 @@ RUN_ELSEWHERE = {
     "training.worker_resources": "a custom resource the test Ray's node lacks, refused: "
                                  "tests/test_no_silent_wait.py",
     "tune": "`raydp-train tune`: tests/test_budget_ray.py, tests/test_faults.py",
-    "privacy.unit": "user: tests/test_user_level_ray.py (each mechanism on 2 workers)",
+    "privacy.unit": "user: tests/test_user_level_ray.py (a sweep; each mechanism on 2 workers "
+                    "in make test-long)",
     "privacy.rows_per_user": "unit user only: tests/test_user_level_ray.py",
     "privacy.user_contribution": "unit user only: tests/test_user_level.py (a local run)",
     "data.user_column": "unit user only: tests/test_user_level_ray.py",
@@ -40,16 +41,19 @@ RUN_ELSEWHERE = {
     "data.sampler_memory_mb": "auto's threshold: tests/test_streaming_sampler.py",
     "data.name": "source hf_dataset (a dataset in the local cache): tests/test_hf_datasets.py",
     "data.subset": "source hf_dataset, with data.name: tests/test_hf_datasets.py",
-    "data.split": "source hf_dataset: tests/test_hf_datasets.py (a run on 2 workers)",
+    "data.split": "source hf_dataset: tests/test_hf_datasets.py (validate; a run on 2 workers in "
+                  "make test-long)",
     "data.test_split": "source hf_dataset: tests/test_hf_datasets.py",
     "data.validation_split": "source hf_dataset: tests/test_hf_datasets.py",
-    "training.cpus_per_worker": "a ScalingConfig's resources_per_worker: tests/test_ray_configs.py",
+    "training.cpus_per_worker": "a ScalingConfig's resources_per_worker: tests/test_ray_configs.py "
+                                "(mapped; a run in make test-long)",
     "training.sharding": "fsdp: tests/test_sharding_worker.py (the worker loop on 2 Gloo ranks, "
                          "sharded equal to whole; a Ray Train run: benchmarks/RESULTS.md)",
     "model.label_texts": "with head_init label_texts, a checkpoint's weights only (this "
                          "file's hf run is random): tests/test_label_text_head.py, a run: "
                          "benchmarks/sst2_accuracy.py (lora-all-label-eps3)",
-    "model.task": "causal_lm: tests/test_causal_lm_run.py (a run on 2 workers, generate)",
+    "model.task": "causal_lm: tests/test_causal_lm_run.py (a run on 2 workers, generate: make "
+                  "test-long)",
     "model.lm_loss": "causal_lm only: tests/test_causal_lm_run.py",
     "model.factory": "model.kind torch: tests/test_custom_model.py (a run on 2 workers)",
     "model.kwargs": "model.kind torch: tests/test_custom_model.py",

@@ -133,7 +133,8 @@ MECHANISMS = {"lsg": {"lsg": {"rank": 4, "sparsity": 0.25}},
               "lora": {"lora": {"rank": 4, "layers": ["*attention.self.query", "*value"]}}}
 
 
-@pytest.mark.parametrize("mechanism", list(MECHANISMS))
+# lsg: make test-long (make test: lora here, and LSG on 2 workers in test_distributed.py)
+@pytest.mark.parametrize("mechanism", [pytest.param("lsg", marks=pytest.mark.long), "lora"])
 @pytest.mark.slow
 def test_fine_tuning_on_two_workers_saves_a_reloadable_model(mechanism, ray_session, tmp_path,
                                                              capsys):

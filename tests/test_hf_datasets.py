@@ -75,6 +75,9 @@ def test_a_name_is_read_from_the_local_cache_alone(tmp_path, monkeypatch):
         rt.validate(hf_pipeline(tmp_path, name="nobody/absent-set"))
 
 
+# make test: test_ray_datasets.py's run on 2 workers (the splits as Ray Datasets) and
+# test_ray_dataset_sweeps.py's test_a_saved_hugging_face_dataset_sweeps
+@pytest.mark.long
 def test_a_saved_dataset_trains_as_the_same_rows_in_parquet(ray_session, tmp_path):
     train, test = rows(400, 1), rows(100, 2)
     for name, table in (("train", train), ("test", test)):

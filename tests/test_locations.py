@@ -96,6 +96,9 @@ def test_the_default_ledger_is_one_absolute_folder_per_machine(tmp_path, monkeyp
     assert load_pipeline(SWEEP).budget.ledger == f"{tmp_path}/home/.raydp_train/budgets"
 
 
+# make test: test_the_default_ledger_is_one_absolute_folder_per_machine, and a run and a sweep
+# on one ledger in test_budget_ray.py
+@pytest.mark.long
 @pytest.mark.slow
 def test_two_runs_from_two_folders_spend_from_one_ledger(ray_session, tmp_path, monkeypatch,
                                                          capsys):

@@ -51,6 +51,9 @@ def _base():
         resolve_name_or_path(MINILM), num_labels=2)
 
 
+# make test: test_lora.py's test_lora_trains_only_adapters_and_releases_the_merged_model (peft
+# loads the adapter) and test_hf.py's DP-LoRA run on 2 workers
+@pytest.mark.long
 def test_the_adapter_alone_on_the_checkpoint_reproduces_the_runs_accuracy(ray_session,
                                                                          tmp_path):
     run_dir, record = _lora_run(tmp_path)

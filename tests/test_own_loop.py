@@ -29,6 +29,9 @@ def _dp_accounting_epsilon(rate: float, sigma: float, steps: int, delta: float) 
     return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta)
 
 
+# make test: test_two_workers_release_the_naive_clipped_sum_plus_one_noise_draw, and
+# test_a_refused_reservation_stops_the_loop_before_the_refused_steps (the budget's chunks)
+@pytest.mark.long
 def test_the_guides_own_loop_runs_on_two_workers_and_spends_the_pipelines_epsilon(ray_session):
     namespace = {"__name__": "readme_own_loop"}  # not importable: Ray pickles its functions
     printed = io.StringIO()

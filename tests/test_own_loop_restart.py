@@ -93,7 +93,9 @@ def _report_checkpoint(private, rank: int) -> None:
         ray.train.report({"steps": private.steps_done}, checkpoint=checkpoint)
 
 
-@pytest.mark.parametrize("mechanism", ["lsg", "lora"])
+# lora: make test-long (make test: lsg here; LoRA's step and dict rows through load_rows in
+# test_own_loop_mechanisms.py)
+@pytest.mark.parametrize("mechanism", ["lsg", pytest.param("lora", marks=pytest.mark.long)])
 def test_a_restarted_own_loop_counts_every_step_released(ray_session, tmp_path, mechanism):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

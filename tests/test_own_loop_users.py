@@ -228,6 +228,9 @@ def users_on_two_workers(config) -> dict:
     return answers
 
 
+# make test: test_a_user_on_two_workers_is_refused_naming_the_user_and_the_workers,
+# test_epsilon_counts_users_as_dp_accounting_does, test_own_loop.py's loop on 2 workers
+@pytest.mark.long
 @pytest.mark.usefixtures("float64")
 def test_two_workers_refuse_a_shared_user_and_spend_per_user(ray_session):
     from ray.train import ScalingConfig

@@ -100,6 +100,8 @@ def test_a_sweep_takes_no_storage_of_its_own(tmp_path):
                          sweep=True)
 
 
+# make test: the mapping tests above, and test_ray_datasets.py's run on 2 workers
+@pytest.mark.long
 def test_scaling_and_run_configs_pass_through_run_on_two_workers(ray_session, tmp_path):
     import ray.data
 

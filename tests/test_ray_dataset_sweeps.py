@@ -47,6 +47,9 @@ def composed_epsilon(trial_rows: list[dict], rate: float, delta: float) -> float
     return accountant.get_epsilon(delta)
 
 
+# make test: test_a_saved_hugging_face_dataset_sweeps (a sweep over Ray Datasets, no row
+# written) and test_ray_datasets.py's run on 2 workers; workers=2 runs with --long only
+@pytest.mark.long
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_sweep_over_ray_datasets_trains_as_over_the_same_rows_in_parquet(ray_session,
                                                                            tmp_path, request,

@@ -71,7 +71,10 @@ def sweep(tmp_path, name: str, *overrides: str, epsilon: float = BUDGET_EPSILON
     return summary, trials, rows
 
 
-@pytest.mark.parametrize("search", list(SPACES))
+# bayesopt: make test-long (make test: the other searches, and test_sweep_config.py builds and
+# seeds bayesopt)
+@pytest.mark.parametrize("search", [pytest.param(s, marks=pytest.mark.long) if s == "bayesopt"
+                                    else s for s in SPACES])
 def test_each_search_algorithm_spends_from_one_budget(ray_session, tmp_path, capsys, search):
     summary, trials, rows = sweep(tmp_path, f"search-{search}", "training.epochs=1",
                                   "tune.num_samples=3" if search != "grid" else "tune.num_samples=1",
@@ -111,6 +114,9 @@ def charged_requests(directory) -> dict[str, set[str]]:
     return requests
 
 
+# make test: the sweeps above and PBT's below (Tune ends, stops and continues their one-worker
+# trials); ASHA also in test_first_hour.py (long)
+@pytest.mark.long
 def test_asha_stops_a_two_worker_trial_and_its_run_ends_there(ray_session, tmp_path):
     """ASHA stops the second trial (lr 1e-4) at its first rung, behind the first (lr 0.03): its
     Ray Train run stops before charging the epoch after the one in flight (it ran to the end

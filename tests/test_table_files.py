@@ -76,6 +76,7 @@ def test_a_bad_csv_or_json_file_is_refused_naming_it(tmp_path):
         pipeline_from_dict(tensors)
 
 
+@pytest.mark.long  # make test: test_csv_and_json_rows_read_exactly_as_parquet
 @pytest.mark.slow
 def test_a_run_on_csv_or_json_is_the_run_on_parquet(ray_session, tmp_path, capsys):
     train, test = _files(tmp_path, 200, 0), _files(tmp_path, 60, 1)

@@ -36,6 +36,9 @@ def write_pipeline(tmp_path, mechanism: str):
     return path
 
 
+# make test: test_user_level.py's local run of each mechanism, test_user_budget.py's refusal
+# by unit, and the per-user sweep below
+@pytest.mark.long
 @pytest.mark.thorough
 def test_every_mechanism_runs_per_user_on_two_workers(ray_session, tmp_path, capsys):
     for mechanism in MECHANISMS:
