@@ -2,7 +2,7 @@
 one knob changed at a time, scored on the public dev split (never the test split).
 
 Each variant is a list of `--set` overrides on top of a pipeline on its last layer + head (the
-recipe the diagnosis was run on: sst2_variants.LAST_LAYER); every run uses the first
+recipe the diagnosis was run on: sst2_variants.EARLIER); every run uses the first
 --rows training sentences, training.cache_frozen_prefix, seed 0, world size 1, no Ray. Besides
 dev accuracy it reports how the adapted weights moved: the spectral norm of the update
 ||W_T - W_0||_2 and its stable rank ||.||_F^2 / ||.||_2^2 (a rank-r update has stable rank <= r),
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from prefix_cache import tokenized
-from sst2_variants import LAST_LAYER
+from sst2_variants import EARLIER
 
 from raydp_train.config.pipeline import load_pipeline
 from raydp_train.data.sources import Dataset
@@ -90,7 +90,8 @@ def weight_update_stats(model: torch.nn.Module, reference: torch.nn.Module) -> t
 
 def run_variant(path: str, overrides: list[str], args, dataset: Dataset) -> dict:
     pipeline = load_pipeline(path, [
-        *LAST_LAYER, f"training.epochs={args.epochs}", "data.validation=null", "run.seed=0",
+        *EARLIER[Path(path).name], f"training.epochs={args.epochs}", "data.validation=null",
+        "run.seed=0",
         "training.cache_frozen_prefix=true", f"privacy.target_epsilon={args.epsilon}",
         f"training.batch_size={args.batch}",
         f"training.threads_per_worker={os.environ.get('THREADS', 'auto')}", *overrides,

@@ -135,13 +135,20 @@ VARIANTS = {
     **{f"full-ft-lr{lr}": ("sst2_minilm_nonprivate.yaml", [*FULL_FT, f"training.lr={lr}"], SEED1)
        for lr in ("2e-5", "5e-5", "1e-4")},
 }
-# The shipped DP-SGD recipe at C 10 and a tenth of the lr. Every example's gradient norm
-# starts between 4 and 57 (median 16), so at C 1 each is cut to 1 and a fitted example pulls
-# as hard as a wrong one; at C 10 the noise on the weights (lr sigma C / B) is the same, and
-# gradients below 10 keep their size.
+# The shipped DP-SGD recipe clips at C 10 with lr 0.01; it was first run at C 1 and lr 0.1.
+# Every example's gradient norm starts between 4 and 57 (median 16), so at C 1 each is cut
+# to 1 and a fitted example pulls as hard as a wrong one; at C 10 the noise on the weights
+# (lr sigma C / B) is the same, and gradients below 10 keep their size.
+C1 = ["privacy.clip_norm=1", "training.lr=0.1"]
 FROM_SHIPPED = {
-    "dpsgd-c10-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, "privacy.clip_norm=10",
-                                                  "training.lr=0.01"], SEEDS3),
+    "dpsgd-c1-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, *C1], SEEDS3),
+    "dpsgd-c1-eps8": ("sst2_minilm_dpsgd.yaml", [*EPS8, *C1], SEEDS3),
+    # ... with dropout off: its masks add a second noise to each clipped gradient.
+    "dpsgd-nodrop-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, "model.dropout=0"], SEED1),
+    # ... at epsilon 8 at twice the lr: sigma is 1.05 there, not 1.95, so lr sigma C / B
+    # stays near epsilon 3's and each step moves twice as far (epsilon 8 read like epsilon
+    # 3 at C 1 and lr 0.1 after every epoch: the noise was not what held it back).
+    "dpsgd-lr0.02-eps8": ("sst2_minilm_dpsgd.yaml", [*EPS8, "training.lr=0.02"], SEEDS3),
 }
 # The shipped recipes: each pipeline as it is, and FROM_SHIPPED. Every other row of these
 # three pipelines was run on top of the earlier last-layer recipes, so its overrides start
@@ -149,7 +156,7 @@ FROM_SHIPPED = {
 SHIPPED = {"dpsgd-eps3", "dpsgd-eps8", "dpsgd-pld-eps1", "lsg-eps3", "lora-eps3",
            *FROM_SHIPPED}
 VARIANTS.update(FROM_SHIPPED)
-EARLIER = {"sst2_minilm_dpsgd.yaml": LAST_LAYER, "sst2_minilm_lsg.yaml": LAST_LAYER,
+EARLIER = {"sst2_minilm_dpsgd.yaml": [*C1, *LAST_LAYER], "sst2_minilm_lsg.yaml": LAST_LAYER,
            "sst2_minilm_lora.yaml": [*LAST_LAYER, *LORA_R16]}
 VARIANTS.update({name: (pipeline, [*EARLIER[pipeline], *overrides], seeds)
                  for name, (pipeline, overrides, seeds) in VARIANTS.items()
