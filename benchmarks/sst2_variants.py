@@ -149,7 +149,7 @@ FROM_SHIPPED = {
     # stays near epsilon 3's and each step moves twice as far (epsilon 8 read like epsilon
     # 3 at C 1 and lr 0.1 after every epoch: the noise was not what held it back).
     "dpsgd-lr0.02-eps8": ("sst2_minilm_dpsgd.yaml", [*EPS8, "training.lr=0.02"], SEEDS3),
-    # ... at epsilon 1 in 5 epochs (34 steps, PLD's sigma 3.52, not 4.30): in 8 epochs dev
+    # ... at epsilon 1 in 5 epochs (33 steps, PLD's sigma 3.48, not 4.30): in 8 epochs dev
     # peaked after epoch 5 and fell after, so the last 3 epochs' noise cost more than they add.
     "dpsgd-pld-e5-eps1": (
         "sst2_minilm_dpsgd.yaml", [*EPS1, "privacy.accountant=pld", "training.epochs=5"], SEEDS3),
