@@ -39,7 +39,6 @@ VARIANTS = {
     "probe-eps8": ("sst2_minilm_probe.yaml", EPS8, SEED1),
     "dpsgd-eps3": ("sst2_minilm_dpsgd.yaml", EPS3, SEEDS3),
     "dpsgd-eps8": ("sst2_minilm_dpsgd.yaml", EPS8, SEEDS3),
-    "dpsgd-pld-eps1": ("sst2_minilm_dpsgd.yaml", [*EPS1, "privacy.accountant=pld"], SEEDS3),
     # The last-layer recipes (every row below of these pipelines starts from them).
     "dpsgd-last-eps3": ("sst2_minilm_dpsgd.yaml", EPS3, SEEDS3),
     "dpsgd-last-eps8": ("sst2_minilm_dpsgd.yaml", EPS8, SEED1),
@@ -135,35 +134,47 @@ VARIANTS = {
     **{f"full-ft-lr{lr}": ("sst2_minilm_nonprivate.yaml", [*FULL_FT, f"training.lr={lr}"], SEED1)
        for lr in ("2e-5", "5e-5", "1e-4")},
 }
-# The shipped DP-SGD recipe clips at C 10 with lr 0.01; it was first run at C 1 and lr 0.1.
+# The shipped DP-SGD recipe clips at C 10 with lr 0.01, with PLD's sigma and dropout off; it
+# was first run at C 1 and lr 0.1, then at C 10 with RDP's sigma and the model's dropout (0.1).
 # Every example's gradient norm starts between 4 and 57 (median 16), so at C 1 each is cut
 # to 1 and a fitted example pulls as hard as a wrong one; at C 10 the noise on the weights
 # (lr sigma C / B) is the same, and gradients below 10 keep their size.
 C1 = ["privacy.clip_norm=1", "training.lr=0.1"]
+RDP_DROPOUT = ["privacy.accountant=rdp", "model.dropout=null"]
+PLD_DROPOUT = ["privacy.accountant=pld", "model.dropout=null"]
+LSG_C1 = ["privacy.clip_norm=1", "training.lr=0.3"]
 FROM_SHIPPED = {
-    "dpsgd-c1-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, *C1], SEEDS3),
-    "dpsgd-c1-eps8": ("sst2_minilm_dpsgd.yaml", [*EPS8, *C1], SEEDS3),
-    # ... with dropout off: its masks add a second noise to each clipped gradient.
-    "dpsgd-nodrop-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, "model.dropout=0"], SEED1),
+    "dpsgd-c1-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, *RDP_DROPOUT, *C1], SEEDS3),
+    "dpsgd-c1-eps8": ("sst2_minilm_dpsgd.yaml", [*EPS8, *RDP_DROPOUT, *C1], SEEDS3),
+    # The C 10 recipe with RDP's sigma and the model's dropout; then each change to it ...
+    "dpsgd-c10-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, *RDP_DROPOUT], SEEDS3),
+    # ... with dropout off: its masks add a second noise to each clipped gradient (the shipped
+    # pipeline has it off and takes PLD's sigma: 1.815 instead of RDP's 1.953 at epsilon 3).
+    "dpsgd-nodrop-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, *RDP_DROPOUT, "model.dropout=0"],
+                          SEED1),
     # ... at epsilon 8 at twice the lr: sigma is 1.05 there, not 1.95, so lr sigma C / B
     # stays near epsilon 3's and each step moves twice as far (epsilon 8 read like epsilon
     # 3 at C 1 and lr 0.1 after every epoch: the noise was not what held it back).
-    "dpsgd-lr0.02-eps8": ("sst2_minilm_dpsgd.yaml", [*EPS8, "training.lr=0.02"], SEEDS3),
-    # ... at epsilon 1 in 5 epochs (33 steps, PLD's sigma 3.48, not 4.30): in 8 epochs dev
-    # peaked after epoch 5 and fell after, so the last 3 epochs' noise cost more than they add.
+    "dpsgd-lr0.02-eps8": ("sst2_minilm_dpsgd.yaml", [*EPS8, *RDP_DROPOUT, "training.lr=0.02"],
+                          SEEDS3),
+    # ... at epsilon 1 with PLD's sigma (4.30 for 8 epochs), and in 5 epochs (33 steps, sigma
+    # 3.48): in 8 epochs dev peaked after epoch 5 and fell after, so the last 3 epochs' noise
+    # cost more than they add.
+    "dpsgd-pld-eps1": ("sst2_minilm_dpsgd.yaml", [*EPS1, *PLD_DROPOUT], SEEDS3),
     "dpsgd-pld-e5-eps1": (
-        "sst2_minilm_dpsgd.yaml", [*EPS1, "privacy.accountant=pld", "training.epochs=5"], SEEDS3),
-    # LSG clipped as DP-SGD is: C 10 with a tenth of the lr (the same noise on the weights).
-    "lsg-c10-eps3": ("sst2_minilm_lsg.yaml", [*EPS3, "privacy.clip_norm=10", "training.lr=0.03"],
-                     SEEDS3),
+        "sst2_minilm_dpsgd.yaml", [*EPS1, *PLD_DROPOUT, "training.epochs=5"], SEEDS3),
+    # The shipped LSG pipeline clips as DP-SGD does, at C 10 with lr 0.03; it was first run at
+    # C 1 with ten times the lr (the same noise on the weights).
+    "lsg-c1-eps3": ("sst2_minilm_lsg.yaml", [*EPS3, *LSG_C1], SEEDS3),
 }
 # The shipped recipes: each pipeline as it is, and FROM_SHIPPED. Every other row of these
 # three pipelines was run on top of the earlier last-layer recipes, so its overrides start
 # from them.
-SHIPPED = {"dpsgd-eps3", "dpsgd-eps8", "dpsgd-pld-eps1", "lsg-eps3", "lora-eps3",
+SHIPPED = {"dpsgd-eps3", "dpsgd-eps8", "lsg-eps3", "lora-eps3",
            *FROM_SHIPPED}
 VARIANTS.update(FROM_SHIPPED)
-EARLIER = {"sst2_minilm_dpsgd.yaml": [*C1, *LAST_LAYER], "sst2_minilm_lsg.yaml": LAST_LAYER,
+EARLIER = {"sst2_minilm_dpsgd.yaml": [*RDP_DROPOUT, *C1, *LAST_LAYER],
+           "sst2_minilm_lsg.yaml": [*LSG_C1, *LAST_LAYER],
            "sst2_minilm_lora.yaml": [*LAST_LAYER, *LORA_R16]}
 VARIANTS.update({name: (pipeline, [*EARLIER[pipeline], *overrides], seeds)
                  for name, (pipeline, overrides, seeds) in VARIANTS.items()
