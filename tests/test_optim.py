@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from resuming import ResumingContext
 from transformers import get_scheduler
 
 from raydp_train.config.pipeline import PipelineError, pipeline_from_dict
@@ -320,20 +321,6 @@ print(sorted(m for m in ("torch._dynamo", "sympy", "transformers") if m in sys.m
                           check=False, cwd=Path(__file__).parents[1], timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
-
-
-class ResumingContext(LocalContext):
-    """Keeps every epoch's checkpoint; restores the one it is given, as Ray Train would."""
-
-    def __init__(self, restore_from=None):
-        super().__init__(on_epoch=lambda row: None)
-        self.states, self.restore_from = [], restore_from
-
-    def restore(self):
-        return self.restore_from
-
-    def report(self, row, state):
-        self.states.append(state)
 
 
 def test_schedule_state_survives_resume():

@@ -48,6 +48,9 @@ class TrainingConfig(Section):
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int | None = Field(None, ge=0)  # OR a fraction of the run's steps (rounded up)
     warmup_fraction: float | None = Field(None, ge=0, le=1)
+    # an exponential moving average of the trained weights (optim/averaging.py), bias-corrected:
+    # evaluation and the returned model use it; post-processing of the steps, no privacy cost
+    ema_decay: float | None = Field(None, gt=0, lt=1)
     # hf models: compute the frozen layers below the first trained one once per example
     cache_frozen_prefix: bool = False
     # hf models: order each step's sample by text length before cutting it into micro-batches,
@@ -97,6 +100,13 @@ class TrainingConfig(Section):
     def _one_warmup(self) -> TrainingConfig:
         if self.warmup_steps is not None and self.warmup_fraction is not None:
             raise FieldProblem("set warmup_steps or warmup_fraction, not both", "warmup_steps")
+        return self
+
+    @model_validator(mode="after")
+    def _average_unsharded(self) -> TrainingConfig:
+        if self.ema_decay is not None and self.sharding == "fsdp":
+            raise FieldProblem("a weight average is kept of whole weights, not of FSDP's "
+                               "shards: unset ema_decay or set sharding: none", "ema_decay")
         return self
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ from raydp_train.data.targets import label_kind
 from raydp_train.models.builders import build_model
 from raydp_train.models.frozen_precision import keep_frozen_in
 from raydp_train.models.hf_files import tokenizer_source
+from raydp_train.optim.averaging import averaged, make_average
 from raydp_train.optim.optimizer import make_optimizer, make_schedule, schedule_scale
 from raydp_train.privacy.noise import make_generator, make_noise_generator
 from raydp_train.privacy.sharding import weights_held
@@ -103,6 +104,7 @@ class WorkerRun:
                 self.mechanism, self.clipper, model, plan, pipeline.run, context)
         self.optimizer = make_optimizer(model, training)
         self.schedule = make_schedule(self.optimizer, training, plan.steps)  # logical steps
+        self.average = make_average(self.optimizer, training.ema_decay)
         self.noise_generator, self.noise_mode = make_noise_generator(pipeline.run.noise, seed,
                                                                      context.device)
         self.sampling_generator, _ = make_generator(
@@ -194,6 +196,8 @@ class WorkerRun:
             self.schedule.step()  # once per logical step, whatever its micro-batches
             loss_sum, seen = loss_sum + stats.loss_sum, seen + stats.num_examples
             self.step += 1
+            if self.average is not None:
+                self.average.update(self.step)
             if after_step is not None:
                 after_step(context, self.step)
             if time.monotonic() - shown >= PROGRESS_EVERY_S:  # a long epoch: where it is
@@ -237,7 +241,8 @@ class WorkerRun:
     def _evaluate(self, split: str) -> list[float]:
         """The task's sums of `split` over every rank's rows (e.g. correct, rows; a causal LM's
         token loss sum, tokens)."""
-        with weights_held(self.model, gather_now=True):  # sharded: ranks' row counts differ
+        with weights_held(self.model, gather_now=True), averaged(self.average):
+            # (sharded: the weights gathered now, as the ranks' row counts differ)
             sums = torch.tensor(self.score(self.model, split), dtype=torch.float64,
                                 device=self.context.device)
         self.context.all_reduce_sum(sums)
@@ -250,6 +255,8 @@ class WorkerRun:
         trained = self.mechanism.trained(self.clipper)
         result.final_step_sum_std = trained.std().item() * self.plan.expected_batch_size
         self.clipper.close()
+        if self.average is not None:
+            self.average.copy_into_parameters()
         result.model = sharded.whole_model(self.model, self._unsharded)
         charged = context.charged()
         result.steps_done, result.steps_charged, result.releases_charged = self.step, *charged
