@@ -127,8 +127,8 @@ def runs(files: Path, out: Path) -> dict[str, dict]:
                          "optimizer": "adamw", "lr": 0.02, "weight_decay": 0.01,
                          "param_groups": [{"params": ["1.*"], "lr": 0.05,
                                            "weight_decay": 0.0}],
-                         "schedule": "cosine", "warmup_steps": 2, "workers": 2,
-                         "placement": "spread", "threads_per_worker": 1},
+                         "schedule": "cosine", "warmup_steps": 2, "ema_decay": 0.8,
+                         "workers": 2, "placement": "spread", "threads_per_worker": 1},
             "run": {"output_dir": str(out / "churn"), "seed": 7, "max_failures": 1,
                     "keep_checkpoints": 1, "on_interrupted": "refuse"},
             "budget": {"name": "documented", "epsilon": 40.0, "delta": 1e-4,
@@ -238,6 +238,14 @@ def test_each_documented_field_runs(name, documented_run):
         assert sum(record["training"]["training_rows_per_worker"]) == 300
         assert 0.0 <= record["metrics"][-1]["test_accuracy"] <= 1.0
         assert "validation_accuracy" in record["metrics"][-1]
+        import torch
+
+        from raydp_train.train.context import STATE_FILE, newest_checkpoint
+
+        state = torch.load(newest_checkpoint(run_dir) / STATE_FILE, weights_only=False)
+        assert state["average"]["decay"] == 0.8  # the weight average, in the checkpoint
+        assert sorted(tuple(a.shape) for a in state["average"]["average"]) == sorted(
+            tuple(weights.shape) for weights in state["model"].values())
     if name == "digits-lora":  # adaptive clipping moved C from clip_norm, saved with the state
         import torch
 
