@@ -16,7 +16,7 @@ SEARCHABLE = (
     "privacy.lora.rank", "privacy.lora.alpha",
     "training.lr", "training.weight_decay", "training.warmup_steps", "training.warmup_fraction",
     "training.param_groups[i].lr", "training.param_groups[i].weight_decay",
-    "training.batch_size", "training.epochs",
+    "training.batch_size", "training.epochs", "training.ema_decay",
 )
 # Whole-number fields: a trial must get one of the listed values, never a draw from a range.
 WHOLE_NUMBERS = ("privacy.lsg.rank", "privacy.lora.rank", "training.warmup_steps",
