@@ -175,11 +175,10 @@ def test_param_group_fields_are_searchable_by_index():
                                                 "training.warmup_fraction"]
     trial = load_pipeline(SWEEP, [groups, space, "training.param_groups[0].lr=0.02"])
     assert trial.training.param_groups[0].lr == 0.02  # how a trial applies its value
-    averaged = load_pipeline(SWEEP, ["tune.search_space={training.ema_decay: {uniform: "
-                                     "[0.5, 0.95]}}", "training.ema_decay=0.7"])
+    decays = "tune.search_space={training.ema_decay: {uniform: [0.5, 0.95]}}"
+    averaged = load_pipeline(SWEEP, [decays, "training.ema_decay=0.7"])
     assert averaged.training.ema_decay == 0.7  # a weight average's decay is searched alike
-    assert "training.ema_decay" in _error("tune.search_space={training.ema_decay: {uniform: "
-                                          "[0.5, 0.95]}}", "training.ema_decay=1.5")
+    assert "training.ema_decay" in _error(decays, "training.ema_decay=1.5")
     assert "cannot search 'training.param_groups[0].params'" in _error(
         groups, "tune.search_space={'training.param_groups[0].params': {choice: [1]}}")
 
