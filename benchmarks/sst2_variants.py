@@ -165,8 +165,8 @@ FROM_SHIPPED = {
         "sst2_minilm_dpsgd.yaml", [*EPS1, *PLD_DROPOUT, "training.epochs=5"], SEEDS3),
     # The shipped pipeline's epsilon-1 recipe (its PLD sigma, dropout off) in 5 epochs.
     "dpsgd-e5-eps1": ("sst2_minilm_dpsgd.yaml", [*EPS1, "training.epochs=5"], SEEDS3),
-    # The shipped recipe at 1.5 times the lr: its dev accuracy still rose after the last of
-    # its 8 epochs on every seed.
+    # The shipped recipe at 1.5 times the lr: its dev accuracy rose by 0.7 to 1.7 points over
+    # its last 3 epochs on every seed.
     "dpsgd-lr0.015-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, "training.lr=0.015"], SEEDS3),
     # The shipped recipe read through a moving average of its weights (decay 0.9: about the
     # last 10 of its 54 steps), the same steps: the average keeps what they share.
