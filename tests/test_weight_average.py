@@ -97,6 +97,17 @@ def test_the_first_step_is_the_average_of_itself():
     assert torch.equal(param.detach(), torch.tensor([3.0, 2.0, 1.0]))
 
 
+def assert_continues(start: list[torch.Tensor], iterates, resumed) -> None:
+    """The resumed run returns `start` (the average after 5 steps) carried on over its 10
+    steps: d^10 (1 - d^5) / (1 - d^15) start + (1 - d^10) / (1 - d^15) their own average."""
+    carried = DECAY ** 10 * (1 - DECAY ** 5) / (1 - DECAY ** 15)
+    expected = [carried * a.double() + (1 - DECAY ** 10) / (1 - DECAY ** 15) * later
+                for a, later in zip(start, oracle_average(iterates, DECAY), strict=True)]
+    returned = [q for q in resumed.model.parameters() if q.requires_grad]
+    for got, want in zip(returned, expected, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_resume_continues_the_average_from_its_checkpoint():
     """A_15 = d^10 (1 - d^5) / (1 - d^15) A_5 + the steps 6..15 the resumed run takes, each
     weighted (1 - d) d^(15 - i) / (1 - d^15)."""
@@ -110,13 +121,7 @@ def test_resume_continues_the_average_from_its_checkpoint():
         oracle_average(first_iterates[:5], DECAY), rtol=1e-5, atol=1e-6)
     resumed, iterates, _ = run_recording_iterates(p, ResumingContext(restore_from=checkpoint))
     assert len(iterates) == 10
-    carried = DECAY ** 10 * (1 - DECAY ** 5) / (1 - DECAY ** 15)
-    expected = [carried * a.double() + (1 - DECAY ** 10) / (1 - DECAY ** 15) * later
-                for a, later in zip(checkpoint["average"]["average"],
-                                    oracle_average(iterates, DECAY), strict=True)]
-    returned = [q for q in resumed.model.parameters() if q.requires_grad]
-    for got, want in zip(returned, expected, strict=True):
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert_continues(checkpoint["average"]["average"], iterates, resumed)
 
 
 def test_a_checkpoint_without_an_average_starts_one_from_its_weights():
@@ -128,12 +133,7 @@ def test_a_checkpoint_without_an_average_starts_one_from_its_weights():
     resumed, iterates, _ = run_recording_iterates(pipeline(ema_decay=DECAY),
                                                   ResumingContext(restore_from=checkpoint))
     start = [checkpoint["model"][name] for name in ("1.weight", "1.bias", "3.weight", "3.bias")]
-    carried = DECAY ** 10 * (1 - DECAY ** 5) / (1 - DECAY ** 15)
-    expected = [carried * a.double() + (1 - DECAY ** 10) / (1 - DECAY ** 15) * later
-                for a, later in zip(start, oracle_average(iterates, DECAY), strict=True)]
-    returned = [q for q in resumed.model.parameters() if q.requires_grad]
-    for got, want in zip(returned, expected, strict=True):
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert_continues(start, iterates, resumed)
 
 
 @pytest.mark.parametrize("settings, message", [

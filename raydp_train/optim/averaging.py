@@ -40,15 +40,11 @@ class WeightAverage:
         try:
             yield
         finally:
-            with torch.no_grad():
-                for param, weights in zip(self.params, own, strict=True):
-                    param.copy_(weights)
+            _copy(own, self.params)
 
     def copy_into_parameters(self) -> None:
         """The parameters take the average for good (the run's returned model)."""
-        with torch.no_grad():
-            for param, average in zip(self.params, self.average, strict=True):
-                param.copy_(average)
+        _copy(self.average, self.params)
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "average": [a.clone() for a in self.average]}
@@ -60,6 +56,12 @@ class WeightAverage:
                              "run trains")
         self.average = [a.to(p.device, p.dtype).clone()
                         for a, p in zip(state["average"], self.params, strict=True)]
+
+
+def _copy(tensors: list[torch.Tensor], params: list[torch.nn.Parameter]) -> None:
+    with torch.no_grad():
+        for param, tensor in zip(params, tensors, strict=True):
+            param.copy_(tensor)
 
 
 def make_average(optimizer, decay: float | None) -> WeightAverage | None:
