@@ -34,7 +34,8 @@ test-long: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_XDIST) -m long
 
 # The edit loop: math, schema, ledger, engine; no Ray, no other process (tests/conftest.py) and
-# none of the long randomized or PLD checks (marked thorough), which `make test` runs.
+# none of the in-process checks of seconds (training runs, randomized or PLD checks; marked
+# thorough), which `make test` runs. It keeps under 2 minutes on 2 cores.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not ray and not slow and not cluster and not thorough"
 

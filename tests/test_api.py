@@ -101,6 +101,7 @@ def test_importing_the_package_imports_neither_torch_nor_ray():
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.thorough
 def test_validate_says_what_the_cli_prints_a_sweeps_epsilon_and_the_budget_left(tmp_path,
                                                                               capsys):
     options = [f"budget.ledger={tmp_path / 'ledger'}"]

@@ -174,6 +174,7 @@ def test_a_causal_lm_reports_loss_and_perplexity_instead_of_accuracy():
     assert "test_perplexity" in table and "test_accuracy" not in table
 
 
+@pytest.mark.thorough
 @pytest.mark.usefixtures("float64")
 @pytest.mark.parametrize(("kind", "layers"), [("gpt2", ["*c_attn", "*mlp.c_proj"]),
                                               ("llama", ["*q_proj", "*down_proj"])])

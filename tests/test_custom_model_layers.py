@@ -151,6 +151,7 @@ def test_the_user_model_trains_on_two_workers_with_the_self_check_on(ray_session
     assert rt.load_model(result.run_dir)(torch.zeros(1, 1, 8, 8)).shape == (1, 10)
 
 
+@pytest.mark.thorough
 @pytest.mark.skipif(not SST2.is_dir(), reason=f"SST-2 is not at {SST2} (shared data absent)")
 def test_text_reaches_a_torch_model_through_its_tokenizer(tmp_path, capsys):
     """validate --check-model builds the LSTM example on token ids of its tokenizer and runs
@@ -164,6 +165,7 @@ def test_text_reaches_a_torch_model_through_its_tokenizer(tmp_path, capsys):
     assert "model.tokenizer: package 'no_such' is not installed" in capsys.readouterr().err
 
 
+@pytest.mark.thorough
 @pytest.mark.parametrize("factory", ["vit", "hf_vit"])
 def test_the_vit_example_validates_with_either_factory(factory, capsys):
     """Its model built and self-checked in training mode, before anything is spent."""

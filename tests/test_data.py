@@ -171,6 +171,7 @@ def test_cnn_needs_image_features():
         build_model(config({"source": "synthetic"}, {"kind": "cnn"}).model, (20,), 2)
 
 
+@pytest.mark.thorough
 def test_cnn_trains_privately_on_digits():
     pipeline = config(
         {"source": "sklearn_digits"},

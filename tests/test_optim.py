@@ -161,6 +161,7 @@ def test_schedule_counts_logical_steps_as_get_scheduler_does(schedule, warmup, h
     assert len({round(lr, 12) for lr in expected}) > 1  # the schedule really moved
 
 
+@pytest.mark.thorough
 def test_the_constant_schedule_without_warmup_is_get_schedulers():
     p = pipeline()  # schedule: constant, no warmup
     plan = make_plan(p, 160)
@@ -323,6 +324,7 @@ print(sorted(m for m in ("torch._dynamo", "sympy", "transformers") if m in sys.m
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.thorough
 def test_schedule_state_survives_resume():
     p = pipeline(schedule="linear", warmup_steps=2,
                  param_groups=[{"params": ["1.*"], "lr": 0.3}])

@@ -51,6 +51,7 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+@pytest.mark.thorough
 def test_target_epsilon_calibrates_sigma_as_dp_accounting_and_the_loop_stops_there():
     private = _private(noise_multiplier=None, target_epsilon=2.0, steps=12,
                        steps_per_charge=5)

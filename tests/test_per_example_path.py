@@ -127,6 +127,7 @@ def test_other_layers_refuse_refuses_by_name():
         PerExampleClipper(VisionStyle(), 1.0, other_layers="refuse")
 
 
+@pytest.mark.thorough
 def test_private_step_trains_the_model_with_the_self_check_on():
     torch.manual_seed(3)
     model = VisionStyle()

@@ -42,6 +42,7 @@ def test_pld_below_its_floor_is_refused_in_one_line_while_rdp_accounts():
     assert epsilon_spent(0.148, 0.001, 54, 1e-5) == pytest.approx(oracle.get_epsilon(1e-5))
 
 
+@pytest.mark.thorough
 def test_the_smallest_noise_inside_composed_events_decides():
     below = [_steps(0.1, 1.0, 10), _releases(0.2, 3)]
     assert smallest_noise_multiplier(dp_accounting.ComposedDpEvent(below)) == 0.2

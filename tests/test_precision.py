@@ -88,6 +88,7 @@ def bert_and_oracle():
     return model, tokens, labels, expected.float(), norms.float(), clip_norm
 
 
+@pytest.mark.thorough
 def test_bf16_clip_decisions_match_the_float32_oracle(bert_and_oracle):
     model, tokens, labels, expected, oracle_norms, clip_norm = bert_and_oracle
     norms, clipped_sum = engine_pass(model, tokens, labels, clip_norm, "bf16")
@@ -104,6 +105,7 @@ def test_bf16_clip_decisions_match_the_float32_oracle(bert_and_oracle):
     assert clipped_sum.norm() <= BATCH * clip_norm
 
 
+@pytest.mark.thorough
 def test_fp32_engine_agrees_with_the_oracle_on_every_decision(bert_and_oracle):
     """The reference the bf16 test is measured against: float32 decides as float64 does."""
     model, tokens, labels, expected, oracle_norms, clip_norm = bert_and_oracle

@@ -125,6 +125,7 @@ def text_pipeline(**training):
             "run": {"seed": 4}}
 
 
+@pytest.mark.thorough
 def test_a_run_with_trimming_trains_the_same_model():
     """worker.train with and without trimming, seeded, dropout off: the same steps up to
     float32 rounding (the sums are added in another order)."""

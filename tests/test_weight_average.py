@@ -50,6 +50,7 @@ def run_recording_iterates(p, context=None):
     return run.finish(), iterates, raw
 
 
+@pytest.mark.thorough
 def test_the_average_matches_a_float64_oracle_and_the_steps_are_unchanged():
     averaged, iterates, raw = run_recording_iterates(pipeline(ema_decay=DECAY))
     plain, plain_iterates, _ = run_recording_iterates(pipeline())
@@ -67,6 +68,7 @@ def test_the_average_matches_a_float64_oracle_and_the_steps_are_unchanged():
     assert all(torch.equal(a, b) for a, b in zip(final_plain, raw, strict=True))
 
 
+@pytest.mark.thorough
 def test_each_epochs_metrics_are_the_averages():
     p = pipeline(ema_decay=DECAY)
     result = train(p, make_plan(p, 160), ResumingContext())
@@ -108,6 +110,7 @@ def assert_continues(start: list[torch.Tensor], iterates, resumed) -> None:
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.thorough
 def test_resume_continues_the_average_from_its_checkpoint():
     """A_15 = d^10 (1 - d^5) / (1 - d^15) A_5 + the steps 6..15 the resumed run takes, each
     weighted (1 - d) d^(15 - i) / (1 - d^15)."""
@@ -124,6 +127,7 @@ def test_resume_continues_the_average_from_its_checkpoint():
     assert_continues(checkpoint["average"]["average"], iterates, resumed)
 
 
+@pytest.mark.thorough
 def test_a_checkpoint_without_an_average_starts_one_from_its_weights():
     p = pipeline()
     whole = ResumingContext()
