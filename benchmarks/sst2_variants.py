@@ -171,6 +171,14 @@ FROM_SHIPPED = {
     # The shipped recipe read through a moving average of its weights (decay 0.9: about the
     # last 10 of its 54 steps), the same steps: the average keeps what they share.
     "dpsgd-ema0.9-eps3": ("sst2_minilm_dpsgd.yaml", [*EPS3, "training.ema_decay=0.9"], SEEDS3),
+    # The shipped recipe at twice the expected batch (sigma / B at epsilon 3 by PLD: 1.77e-3
+    # at 1,024 and 54 steps, 1.18e-3 at 2,048 and 27, 1.58e-3 at 2,048 and 54): in the same 8
+    # epochs at twice the lr (lr times steps stays 0.54; the same time), or in 16 epochs, the
+    # same 54 steps at the same lr with 11% less noise (twice the time).
+    "dpsgd-b2048-lr0.02-eps3": ("sst2_minilm_dpsgd.yaml", [
+        *EPS3, "training.batch_size=2048", "training.lr=0.02"], SEEDS3),
+    "dpsgd-b2048-e16-eps3": ("sst2_minilm_dpsgd.yaml", [
+        *EPS3, "training.batch_size=2048", "training.epochs=16"], SEEDS3),
     # The shipped LSG pipeline clips as DP-SGD does, at C 10 with lr 0.03; it was first run at
     # C 1 with ten times the lr (the same noise on the weights).
     "lsg-c1-eps3": ("sst2_minilm_lsg.yaml", [*EPS3, *LSG_C1], SEEDS3),
